@@ -1,0 +1,213 @@
+"""Host-side argument checks: every public op calls these before any kernel launches.
+
+Messages name the argument and the offending value, so a user sees what to fix. Nothing here
+reads device memory (no host sync): a device `num_valid` is checked for dtype, shape and device
+only, and kernels clamp its value to [0, T].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SCORINGS = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu", "gelu", "swigluoai")
+BACKENDS = ("auto", "reference", "triton")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class NumValid:
+    """`num_valid` normalised: exactly one of `count` (host int) and `tensor` (0-dim device) is set."""
+
+    count: int | None
+    tensor: torch.Tensor | None
+
+    def row_mask(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """[T] bool, True for rows below num_valid (device op, no host sync)."""
+        rows = torch.arange(num_rows, device=device)
+        if self.tensor is not None:
+            return rows < self.tensor.to(device=device, dtype=torch.int64).clamp(0, num_rows)
+        assert self.count is not None
+        return rows < self.count
+
+
+def check_tensor(name: str, t: object, *, dims: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    return t
+
+
+def check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (like the other inputs), got {t.device}")
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)}); "
+            f"call {name}.contiguous() first"
+        )
+
+
+def check_num_valid(num_valid: object, num_rows: int, device: torch.device) -> NumValid:
+    """Validate `num_valid` against T rows on `device`."""
+    if num_valid is None:
+        return NumValid(count=num_rows, tensor=None)
+    if isinstance(num_valid, bool):
+        raise TypeError("num_valid must be None, an int or a 0-dim integer tensor, got bool")
+    if isinstance(num_valid, int):
+        if not 0 <= num_valid <= num_rows:
+            raise ValueError(f"num_valid must be in [0, T={num_rows}], got {num_valid}")
+        return NumValid(count=num_valid, tensor=None)
+    if isinstance(num_valid, torch.Tensor):
+        if num_valid.dim() != 0:
+            raise ValueError(f"num_valid tensor must be 0-dim, got shape {tuple(num_valid.shape)}")
+        if num_valid.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"num_valid tensor must be int32 or int64, got {num_valid.dtype}")
+        if num_valid.device != device:
+            raise ValueError(f"num_valid tensor must be on {device} (the inputs' device), got {num_valid.device}")
+        return NumValid(count=None, tensor=num_valid)
+    raise TypeError(f"num_valid must be None, an int or a 0-dim integer tensor, got {type(num_valid).__name__}")
+
+
+def check_backend(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return str(backend)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' is the Triton kernels on CUDA and the reference elsewhere."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return backend
+
+
+@dataclass(frozen=True)
+class RouteArgs:
+    top_k: int
+    scoring: str
+    renormalize: bool
+    n_group: int | None
+    topk_group: int | None
+    routed_scaling_factor: float
+
+
+def check_route_args(
+    logits: object,
+    top_k: object,
+    *,
+    scoring: object,
+    renormalize: object,
+    bias: object,
+    n_group: object,
+    topk_group: object,
+    routed_scaling_factor: object,
+) -> RouteArgs:
+    logits = check_tensor("logits", logits, dims=2, dtypes=FLOAT_DTYPES)
+    check_contiguous("logits", logits)
+    num_experts = logits.shape[1]
+    if num_experts < 1:
+        raise ValueError(f"logits must have at least one expert column, got shape {tuple(logits.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if bias is not None:
+        bias = check_tensor("bias", bias, dims=1, dtypes=FLOAT_DTYPES)
+        if bias.shape[0] != num_experts:
+            raise ValueError(f"bias must have shape [E={num_experts}], got {tuple(bias.shape)}")
+        check_same_device("bias", bias, logits.device)
+        check_contiguous("bias", bias)
+    if (n_group is None) != (topk_group is None):
+        raise ValueError(
+            f"n_group and topk_group go together (group-limited routing), got {n_group=} {topk_group=}"
+        )
+    if n_group is not None:
+        if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
+            raise ValueError(f"n_group must be a positive int, got {n_group!r}")
+        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or topk_group < 1:
+            raise ValueError(f"topk_group must be a positive int, got {topk_group!r}")
+        if num_experts % n_group != 0:
+            raise ValueError(f"n_group={n_group} must divide E={num_experts}")
+        if topk_group > n_group:
+            raise ValueError(f"topk_group={topk_group} must be <= n_group={n_group}")
+        group_size = num_experts // n_group
+        if topk_group * group_size < top_k:
+            raise ValueError(
+                f"top_k={top_k} needs at least that many experts in the kept groups, but "
+                f"topk_group={topk_group} groups of {group_size} experts hold {topk_group * group_size}"
+            )
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
+    if not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
+    return RouteArgs(
+        top_k=top_k,
+        scoring=str(scoring),
+        renormalize=renormalize,
+        n_group=n_group,  # type: ignore[arg-type]
+        topk_group=topk_group,  # type: ignore[arg-type]
+        routed_scaling_factor=float(routed_scaling_factor),
+    )
+
+
+def check_routing_tensors(ids: object, weights: object, num_rows: int, device: torch.device) -> None:
+    ids = check_tensor("routing.ids", ids, dims=2, dtypes=(torch.int32,))
+    weights = check_tensor("routing.weights", weights, dims=2, dtypes=(torch.float32,))
+    if ids.shape != weights.shape:
+        raise ValueError(
+            f"routing.ids and routing.weights must have the same shape, got {tuple(ids.shape)} "
+            f"and {tuple(weights.shape)}"
+        )
+    if ids.shape[0] != num_rows:
+        raise ValueError(f"routing has {ids.shape[0]} rows but x has T={num_rows}")
+    if ids.shape[1] < 1:
+        raise ValueError(f"routing must have K >= 1 columns, got shape {tuple(ids.shape)}")
+    check_same_device("routing.ids", ids, device)
+    check_same_device("routing.weights", weights, device)
+    check_contiguous("routing.ids", ids)
+    check_contiguous("routing.weights", weights)
+
+
+def check_experts_args(x: object, w13: object, w2: object, activation: object) -> tuple[int, int, int, int]:
+    """Returns (T, E, H, I)."""
+    x = check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES)
+    w13 = check_tensor("w13", w13, dims=3, dtypes=FLOAT_DTYPES)
+    w2 = check_tensor("w2", w2, dims=3, dtypes=FLOAT_DTYPES)
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, w13_hidden = w13.shape
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype=} {w13.dtype=} {w2.dtype=}")
+    if two_inter % 2 != 0 or two_inter == 0:
+        raise ValueError(f"w13 must have shape [E, 2*I, H] with gate rows then up rows, got {tuple(w13.shape)}")
+    inter = two_inter // 2
+    if w13_hidden != hidden:
+        raise ValueError(f"w13 must have shape [E, 2*I, H={hidden}] to match x, got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(
+            f"w2 must have shape [E={num_experts}, H={hidden}, I={inter}] to match w13, got {tuple(w2.shape)}"
+        )
+    if num_experts < 1 or hidden < 1:
+        raise ValueError(f"w13 must have E >= 1 and H >= 1, got {tuple(w13.shape)}")
+    for name, t in (("w13", w13), ("w2", w2)):
+        check_same_device(name, t, x.device)
+    check_contiguous("x", x)
+    check_contiguous("w13", w13)
+    check_contiguous("w2", w2)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return num_tokens, num_experts, hidden, inter

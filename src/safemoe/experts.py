@@ -1,0 +1,62 @@
+"""Experts: the gated expert MLPs of the routed tokens, combined with the routing weights.
+
+out[t] = sum_k weights[t,k] * w2[e] @ act(w13[e] @ x[t]), e = ids[t,k], for rows t < num_valid;
+rows at or past num_valid are exact zeros. Slots with an id outside [0, E) are dropped (counted
+in `health`), never used as an address; duplicate ids in a row are each served.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from safemoe import _checks
+from safemoe._triton import require_triton
+from safemoe.health import DROPPED_SLOTS, check_health
+from safemoe.reference import experts_reference, valid_slot_mask
+from safemoe.routing import Routing
+
+
+def experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    *,
+    activation: str = "silu",
+    num_valid: int | torch.Tensor | None = None,
+    backend: str = "auto",
+    health: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the routed expert MLPs.
+
+    x: [T, H] bf16/fp16/fp32. w13: [E, 2I, H], gate rows [0, I) then up rows [I, 2I).
+    w2: [E, H, I]. routing: from `safemoe.route` (or any ids int32 / weights float32 [T, K]).
+    activation: "silu", "gelu" (tanh approximation) or "swigluoai" (gpt-oss's clamped SwiGLU,
+        alpha 1.702, limit 7, on the same gate-then-up layout; de-interleave gpt-oss weights first).
+    Returns [T, H] in x's dtype.
+    """
+    num_tokens, num_experts, _, _ = _checks.check_experts_args(x, w13, w2, activation)
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a safemoe.Routing, got {type(routing).__name__}")
+    _checks.check_routing_tensors(routing.ids, routing.weights, num_tokens, x.device)
+    backend = _checks.check_backend(backend)
+    nv = _checks.check_num_valid(num_valid, num_tokens, x.device)
+    check_health(health, x.device)
+    backend = _checks.resolve_backend(backend, x.device)
+
+    if backend == "triton":
+        require_triton(x.device, "experts")
+        from safemoe.kernels.experts import experts_triton
+
+        return experts_triton(
+            x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv, health=health
+        )
+
+    out = experts_reference(
+        x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv
+    )
+    if health is not None:
+        rows = nv.row_mask(num_tokens, x.device)
+        served = valid_slot_mask(routing.ids, num_experts, nv)
+        health[DROPPED_SLOTS] += (rows[:, None] & ~served).sum()
+    return out

@@ -1,0 +1,129 @@
+"""Shared test tools: adversarial inputs, poisoned outputs, one assert_close for the project."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+# Per-dtype tolerances (atol, rtol) for values computed in fp32 and stored in the given dtype.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1.3e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+
+STALE_ID = 123456789  # what a torch.empty buffer once held in vLLM #41834
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
+                 atol: float | None = None, rtol: float | None = None, what: str = "") -> None:
+    """Values within the dtype's tolerance; NaN never passes; prints the worst mismatches."""
+    assert actual.shape == expected.shape, f"{what} shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    default_atol, default_rtol = TOLERANCES[dtype or expected.dtype]
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    nonfinite = ~torch.isfinite(a) & torch.isfinite(e)
+    err = (a - e).abs()
+    bad = nonfinite | ~(err <= atol + rtol * e.abs())
+    if bad.any():
+        flat = torch.where(bad.reshape(-1), torch.nan_to_num(err.reshape(-1), nan=math.inf), -1.0)
+        worst = torch.topk(flat, min(8, int(bad.sum()))).indices
+        lines = []
+        for i in worst.tolist():
+            idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), a.shape))
+            lines.append(f"  at {idx}: actual {a.reshape(-1)[i].item():.6g} expected {e.reshape(-1)[i].item():.6g}")
+        raise AssertionError(
+            f"{what} {int(bad.sum())}/{a.numel()} elements differ (atol={atol}, rtol={rtol}); worst:\n"
+            + "\n".join(lines)
+        )
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Exact equality (ids, maps, bitwise outputs); prints the first differences."""
+    assert actual.shape == expected.shape, f"{what} shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    if a.is_floating_point():
+        same = (a.view(torch.int16 if a.element_size() == 2 else torch.int32)
+                == e.view(torch.int16 if e.element_size() == 2 else torch.int32))
+    else:
+        same = a == e
+    if not bool(same.all()):
+        where = torch.nonzero(~same)[:8].tolist()
+        lines = [f"  at {tuple(w)}: actual {a[tuple(w)].item()} expected {e[tuple(w)].item()}" for w in where]
+        raise AssertionError(f"{what} {int((~same).sum())} elements differ; first:\n" + "\n".join(lines))
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A buffer full of values no kernel should leave behind: NaN for floats, a stale id for ints."""
+    if dtype.is_floating_point:
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+    return torch.full(shape, STALE_ID, dtype=dtype, device=device)
+
+
+def tie_free_logits(num_tokens: int, num_experts: int, *, dtype: torch.dtype = torch.float32,
+                    generator: torch.Generator | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Logits whose values in a row are distinct steps of min(1/8, 16/E) inside [-8, 8).
+
+    The steps are far apart relative to fp32 rounding of softmax and sigmoid (sigmoid(8) is still
+    4e-5 from its neighbour, against an ulp of 6e-8), so the K largest scores are unambiguous for
+    any correct implementation. In bf16 with E > 256 neighbours can round together: those become
+    exact ties, which the contract resolves deterministically (lowest index)."""
+    perms = torch.argsort(torch.rand(num_tokens, num_experts, generator=generator), dim=1)
+    step = min(1.0 / 8.0, 16.0 / num_experts)
+    values = (perms.float() - num_experts / 2) * step
+    return values.to(dtype).to(device)
+
+
+ADVERSARIAL_ROW_KINDS = (
+    "all_nan", "all_pos_inf", "all_neg_inf", "mixed_nonfinite", "one_nan_odd", "one_pos_inf_odd",
+    "one_neg_inf_odd", "all_equal", "huge_finite", "tie_free",
+)
+
+
+def adversarial_logits(num_experts: int, *, dtype: torch.dtype = torch.float32,
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[str]]:
+    """One row of each adversarial kind, [len(ADVERSARIAL_ROW_KINDS), E], and the kinds' names."""
+    base = tie_free_logits(len(ADVERSARIAL_ROW_KINDS), num_experts, generator=generator)
+    rows = base.clone()
+    odd = min(num_experts - 1, 2 * (num_experts // 4) + 1)  # an odd offset inside the row
+    for i, kind in enumerate(ADVERSARIAL_ROW_KINDS):
+        if kind == "all_nan":
+            rows[i] = math.nan
+        elif kind == "all_pos_inf":
+            rows[i] = math.inf
+        elif kind == "all_neg_inf":
+            rows[i] = -math.inf
+        elif kind == "mixed_nonfinite":
+            pattern = torch.tensor([math.nan, math.inf, -math.inf, 1.0])
+            rows[i] = pattern.repeat(num_experts // 4 + 1)[:num_experts]
+        elif kind == "one_nan_odd":
+            rows[i, odd] = math.nan
+        elif kind == "one_pos_inf_odd":
+            rows[i, odd] = math.inf
+        elif kind == "one_neg_inf_odd":
+            rows[i, odd] = -math.inf
+        elif kind == "all_equal":
+            rows[i] = 0.5
+        elif kind == "huge_finite":
+            rows[i] = torch.where(base[i] > 0, 3e4, -3e4)  # finite in fp16 too
+    return rows.to(dtype), list(ADVERSARIAL_ROW_KINDS)
+
+
+def garbage_ids(num_tokens: int, top_k: int, num_experts: int, *,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """[T, K] int32 ids mixing valid, duplicate, -1, negative, >= E and stale values."""
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator, dtype=torch.int32)
+    choice = torch.randint(0, 8, (num_tokens, top_k), generator=generator)
+    ids = torch.where(choice == 0, torch.full_like(ids, -1), ids)
+    ids = torch.where(choice == 1, torch.full_like(ids, num_experts), ids)
+    ids = torch.where(choice == 2, torch.full_like(ids, STALE_ID), ids)
+    ids = torch.where(choice == 3, torch.full_like(ids, -7), ids)
+    if top_k > 1:  # duplicates: copy column 0 into column 1 on some rows
+        dup = torch.rand(num_tokens, generator=generator) < 0.3
+        ids[:, 1] = torch.where(dup, ids[:, 0], ids[:, 1])
+    return ids
