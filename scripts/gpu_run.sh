@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Everything safemoe checks on a CUDA machine, in one go: GPU tests, a compute-sanitizer memcheck
+# pass over small cases, the benchmarks. Runs from a checkout with PYTHONPATH=src (nothing is
+# installed). Usage:
+#
+#   bash scripts/gpu_run.sh OUT_DIR
+#
+# Environment:
+#   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,bench)
+#   BENCH_SUITES    suites for the bench stage (default: all)
+#   QUICK=1         smaller bench and per-stage time limits that fit a 7-minute call
+#   TESTS_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT   per-stage limits in seconds
+#   PYTEST_ARGS     extra pytest arguments (e.g. "-k router")
+#
+# A failing stage is recorded and the later stages still run. Writes OUT_DIR/{tests,sanitize,
+# bench}.log, OUT_DIR/bench/, OUT_DIR/summary.txt and OUT_DIR/results.tar.gz (all of it in one
+# file), prints the summary last, and exits non-zero if any stage failed.
+set -u
+
+OUT_DIR=${1:?usage: scripts/gpu_run.sh OUT_DIR}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+cd "$(dirname "$0")/.."
+
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+STAGES=${GPU_RUN_STAGES:-tests,sanitize,bench}
+QUICK=${QUICK:-0}
+if [ "$QUICK" = "1" ]; then
+    TESTS_TIMEOUT=${TESTS_TIMEOUT:-170}
+    SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-100}
+    BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
+else
+    TESTS_TIMEOUT=${TESTS_TIMEOUT:-3600}
+    SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-1800}
+    BENCH_TIMEOUT=${BENCH_TIMEOUT:-3600}
+fi
+
+declare -A RESULT=()
+FAILED=0
+has_stage() { [[ ",$STAGES," == *",$1,"* ]]; }
+record() {  # stage rc detail
+    if [ "$2" -eq 0 ]; then RESULT[$1]="ok${3:+ ($3)}"
+    elif [ "$2" -eq 124 ]; then RESULT[$1]="FAILED: timed out after its limit${3:+ ($3)}"; FAILED=1
+    else RESULT[$1]="FAILED: exit $2${3:+ ($3)}"; FAILED=1
+    fi
+}
+
+{
+    date -u +"%Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
+    python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+    python3 -c 'import triton; print("triton", triton.__version__)' 2>&1
+    git rev-parse HEAD 2>/dev/null || echo "no git"
+} > "$OUT_DIR/env.txt"
+DEVICE=$(python3 -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")' 2>/dev/null)
+
+if has_stage tests; then
+    echo "== tests (limit ${TESTS_TIMEOUT} s) =="
+    # The whole suite, compiled on the GPU; CPU-only tests run too.
+    timeout --kill-after=15 "$TESTS_TIMEOUT" python3 -m pytest tests -m "gpu or not slow" -q -p no:cacheprovider \
+        ${PYTEST_ARGS:-} > "$OUT_DIR/tests.log" 2>&1
+    rc=$?
+    counts=$(grep -E "(passed|failed|error|skipped)" "$OUT_DIR/tests.log" | tail -n 1 | tr -d '=' | xargs)
+    record tests "$rc" "${counts:-no pytest summary line}"
+    tail -n 3 "$OUT_DIR/tests.log"
+fi
+
+if has_stage sanitize; then
+    echo "== sanitize (limit ${SANITIZE_TIMEOUT} s) =="
+    SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+    if [ -z "$SANITIZER" ]; then
+        echo "compute-sanitizer not found on PATH or in /usr/local/cuda*/bin" > "$OUT_DIR/sanitize.log"
+        RESULT[sanitize]="FAILED: compute-sanitizer not found (memcheck not run)"; FAILED=1
+    else
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout --kill-after=15 "$SANITIZE_TIMEOUT" "$SANITIZER" --tool memcheck \
+            --error-exitcode 1 python3 scripts/sanitize.py > "$OUT_DIR/sanitize.log" 2>&1
+        rc=$?
+        errors=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$OUT_DIR/sanitize.log" | tail -n 1 | sed 's/^=* *//')
+        cases=$(grep -E "^sanitize: " "$OUT_DIR/sanitize.log" | tail -n 1 | sed 's/^sanitize: //')
+        record sanitize "$rc" "${errors:-no memcheck summary}; ${cases:-no case summary}"
+    fi
+    tail -n 3 "$OUT_DIR/sanitize.log"
+fi
+
+if has_stage bench; then
+    echo "== bench (limit ${BENCH_TIMEOUT} s) =="
+    args=(--out "$OUT_DIR/bench")
+    [ "$QUICK" = "1" ] && args+=(--quick)
+    [ -n "${BENCH_SUITES:-}" ] && args+=(--suite "$BENCH_SUITES")
+    if [ -f src/safemoe/cli.py ]; then entry=(safemoe.cli bench); else entry=(safemoe.bench.cli); fi
+    timeout --kill-after=15 "$BENCH_TIMEOUT" python3 -m "${entry[@]}" "${args[@]}" > "$OUT_DIR/bench.log" 2>&1
+    rc=$?
+    suites=$(python3 - "$OUT_DIR/bench/summary.json" <<'EOF' 2>/dev/null
+import json, sys
+data = json.load(open(sys.argv[1]))["suites"]
+print(", ".join(f"{name}: {entry['status'].split(':')[0]}" for name, entry in data.items()))
+EOF
+)
+    record bench "$rc" "${suites:-no bench summary}"
+    tail -n 8 "$OUT_DIR/bench.log"
+fi
+
+{
+    echo "safemoe gpu_run summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $DEVICE)"
+    for stage in tests sanitize bench; do
+        if has_stage "$stage"; then echo "  $stage: ${RESULT[$stage]:-not recorded}"; else echo "  $stage: not run"; fi
+    done
+    echo "  results: $OUT_DIR (everything also in results.tar.gz)"
+} > "$OUT_DIR/summary.txt"
+ARCHIVE=$(mktemp /tmp/safemoe_gpu_run.XXXXXX)
+tar -czf "$ARCHIVE" -C "$OUT_DIR" --exclude=./results.tar.gz . && chmod 644 "$ARCHIVE" && mv -f "$ARCHIVE" "$OUT_DIR/results.tar.gz"
+
+echo
+cat "$OUT_DIR/summary.txt"
+exit "$FAILED"

@@ -1,0 +1,196 @@
+"""`safemoe bench [--suite a,b] [--out DIR] [--quick]`: measure the device's ceilings once, run the
+chosen suites against them, write `<suite>.csv/.json/.png` and `ceilings.json` under DIR.
+
+With more than one suite each suite runs in its own child process (`--isolate`, the default then):
+a suite whose kernels fault cannot take the others down with it, and every child reuses the
+parent's ceilings (passed as `--ceilings ceilings.json`), so all suites share one measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from safemoe.bench import SUITES, load_suite
+
+NO_GPU_MESSAGE = "GPU timings need a CUDA GPU; nothing timed (this machine has no CUDA device)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--suite",
+        default=",".join(SUITES),
+        help=f"comma-separated suites to run (default: all of {', '.join(SUITES)})",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-out"),
+        help="directory for CSV/JSON/PNG results (default: bench-out/)",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and token counts (a smoke run)")
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each suite in its own process (default: when more than one suite)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds allowed per isolated suite before it is stopped (default: none)",
+    )
+    parser.add_argument(
+        "--ceilings",
+        type=Path,
+        default=None,
+        help="reuse the ceilings in this JSON file (a ceilings.json of an earlier run) "
+        "instead of measuring them",
+    )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one isolated suite
+
+
+def _parse_suites(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SUITES]
+    if unknown:
+        raise ValueError(f"--suite: unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    return names
+
+
+def _suite_exists(name: str) -> bool:
+    return importlib.util.find_spec(SUITES[name]) is not None
+
+
+def _heading(text: str) -> None:
+    try:
+        from rich.console import Console
+    except ImportError:
+        print(f"== {text} ==", flush=True)
+        return
+    Console().rule(text)
+
+
+def run_suite(name: str, ceilings: object, out_dir: Path, *, quick: bool) -> str:
+    """Run one suite in this process; returns its status ('ok', 'not built yet', 'failed: ...')."""
+    from safemoe.bench.harness import plot_pct_of_floor, write_results
+
+    try:
+        module = load_suite(name)
+    except Exception as exc:
+        traceback.print_exc()
+        return f"failed: cannot import {SUITES[name]}: {type(exc).__name__}: {exc}"
+    if module is None:
+        print(f"suite {name}: not built yet ({SUITES[name]} does not exist)", flush=True)
+        return "not built yet"
+    try:
+        rows = module.run(ceilings, quick=quick)
+        write_results(rows, out_dir, name, ceilings)  # type: ignore[arg-type]
+        if hasattr(module, "plot"):
+            module.plot(rows, out_dir)
+        else:
+            plot_pct_of_floor(rows, out_dir / f"{name}.png", title=f"safemoe bench {name}")
+    except Exception as exc:
+        traceback.print_exc()
+        return f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return "ok"
+
+
+def _run_isolated(name: str, args: argparse.Namespace, ceilings_path: Path) -> str:
+    if not _suite_exists(name):
+        print(f"suite {name}: not built yet ({SUITES[name]} does not exist)", flush=True)
+        return "not built yet"
+    command = [
+        sys.executable,
+        "-m",
+        "safemoe.bench.cli",
+        "--suite",
+        name,
+        "--out",
+        str(args.out),
+        "--ceilings",
+        str(ceilings_path),
+        "--child",
+    ] + (["--quick"] if args.quick else [])
+    status_file = args.out / f".status_{name}.json"
+    status_file.unlink(missing_ok=True)  # a stale one from an earlier run must not speak for this one
+    try:
+        done = subprocess.run(command, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return f"failed: timed out after {args.timeout:.0f} s"
+    if status_file.exists():
+        return str(json.loads(status_file.read_text())["status"])
+    if done.returncode != 0:  # died before reporting (a CUDA fault, a signal)
+        return f"failed: suite process exited with {done.returncode}"
+    return "ok"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        names = _parse_suites(args.suite)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(NO_GPU_MESSAGE)
+        return 0
+
+    from safemoe.bench.harness import DeviceCeilings, measure_ceilings, run_info
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    ceilings_path = out / "ceilings.json"
+    if args.ceilings is not None:
+        ceilings = DeviceCeilings.from_dict(json.loads(Path(args.ceilings).read_text())["ceilings"])
+    else:
+        _heading("measuring device ceilings")
+        ceilings = measure_ceilings()
+    if not args.child and not (
+        args.ceilings is not None and Path(args.ceilings).resolve() == ceilings_path.resolve()
+    ):
+        ceilings_path.write_text(
+            json.dumps({**run_info(), "ceilings": ceilings.to_dict()}, indent=1, default=str) + "\n"
+        )
+    print(f"ceilings: {ceilings.summary()}", flush=True)
+
+    isolate = not args.child and (args.isolate if args.isolate is not None else len(names) > 1)
+    statuses: dict[str, dict[str, object]] = {}
+    for index, name in enumerate(names, 1):
+        _heading(f"suite {name} ({index}/{len(names)})")
+        start = time.monotonic()
+        if isolate:
+            status = _run_isolated(name, args, ceilings_path)
+        else:
+            status = run_suite(name, ceilings, out, quick=args.quick)
+            if args.child:  # tell the parent the status ('not built yet' exits 0 too)
+                (out / f".status_{name}.json").write_text(json.dumps({"status": status}))
+        statuses[name] = {"status": status, "seconds": round(time.monotonic() - start, 1)}
+
+    if not args.child:
+        (out / "summary.json").write_text(
+            json.dumps({"ceilings": ceilings.to_dict(), "suites": statuses}, indent=1, default=str) + "\n"
+        )
+        _heading("bench summary")
+        for name, entry in statuses.items():
+            print(f"  {name:10s} {entry['status']}  ({entry['seconds']} s)")
+        print(f"  results in {out.resolve()}")
+    return 1 if any(str(e["status"]).startswith("failed") for e in statuses.values()) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="safemoe bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

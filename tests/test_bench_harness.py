@@ -1,0 +1,285 @@
+"""The bench harness, the peers and `safemoe bench` on a CPU machine (GPU timing tests are marked)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import safemoe.bench as bench
+from helpers import assert_close, assert_equal, tie_free_logits
+from safemoe.bench import cli as bench_cli
+from safemoe.bench import harness, peers
+from safemoe.reference import experts_reference, route_reference
+
+REPO = Path(__file__).resolve().parents[1]
+CEILINGS = harness.DeviceCeilings(
+    name="Test GPU", read_gbps=4000.0, copy_gbps=3600.0, bf16_tflops=800.0, fp8_tflops=None
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows, floors, result files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pct_of_floor():
+    row = harness.BenchRow("s", "c", 8, "clean", "impl", median_us=20.0, floor_us=15.0)
+    assert row.pct_of_floor == pytest.approx(75.0)
+    assert harness.BenchRow("s", "c", 8, "clean", "impl", None, 15.0).pct_of_floor is None
+    assert harness.BenchRow("s", "c", 8, "clean", "impl", 20.0).pct_of_floor is None
+    assert row.to_dict()["pct_of_floor"] == pytest.approx(75.0)
+
+
+def test_floor_formulas():
+    # Qwen3-30B-A3B at T=1: 8 experts x 3*2048*768*2 bytes = 75.5 MB; at 4300 GB/s that is 17.6 us
+    # (the figure in shared/anchors.md).
+    assert harness.distinct_experts(128, 8, 1) == pytest.approx(8.0)
+    assert harness.distinct_experts(128, 8, 100_000) == pytest.approx(128.0)
+    assert harness.distinct_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75**2))
+    at_4300 = harness.DeviceCeilings("x", 4300.0, 4300.0, 790.0, None)
+    assert harness.moe_decode_floor_us(128, 8, 2048, 768, 1, at_4300) == pytest.approx(17.56, abs=0.01)
+    flops = 2 * 16384 * 8 * 3 * 2048 * 768
+    assert harness.moe_flops(16384, 8, 2048, 768) == flops
+    assert harness.moe_prefill_floor_us(8, 2048, 768, 16384, at_4300) == pytest.approx(flops / 790e12 * 1e6)
+    assert harness.bytes_floor_us(4e9, 4000.0) == pytest.approx(1000.0)
+    assert harness.flops_floor_us(8e12, 800.0) == pytest.approx(10_000.0)
+    floor, bound = harness.moe_floor_us(128, 8, 2048, 768, 1, at_4300)
+    assert bound == "read" and floor == pytest.approx(17.56, abs=0.01)
+    floor, bound = harness.moe_floor_us(128, 8, 2048, 768, 16384, at_4300)
+    assert bound == "flops" and floor == pytest.approx(flops / 790e12 * 1e6)
+
+
+def test_add_speedups():
+    rows = [
+        harness.BenchRow("s", "c", 8, "clean", "peer", 30.0),
+        harness.BenchRow("s", "c", 8, "clean", "ours", 10.0),
+        harness.BenchRow("s", "c", 16, "clean", "ours", 10.0),
+        harness.BenchRow("s", "c", 8, "clean", "gone", None),
+    ]
+    harness.add_speedups(rows, "peer")
+    assert rows[1].extra == {"x_vs_peer": 3.0}
+    assert rows[0].extra == {} and rows[2].extra == {} and rows[3].extra == {}
+
+
+def test_write_results(tmp_path, capsys):
+    rows = [
+        harness.BenchRow(
+            "demo", "qwen3", 64, "clean", "fast", 12.5, 10.0, note="graph", extra={"x_vs_slow": 4.0}
+        ),
+        harness.BenchRow("demo", "qwen3", 64, "clean", "slow", 50.0, 10.0),
+        harness.BenchRow("demo", "qwen3", 64, "clean", "absent", None, 10.0, note="vllm: not installed"),
+    ]
+    harness.write_results(rows, tmp_path / "out", "demo", CEILINGS)
+    with open(tmp_path / "out" / "demo.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["impl"] for r in table] == ["fast", "slow", "absent"]
+    assert float(table[0]["median_us"]) == 12.5 and float(table[0]["pct_of_floor"]) == 80.0
+    assert json.loads(table[0]["extra"]) == {"x_vs_slow": 4.0}
+    assert (
+        table[2]["median_us"] == "" and table[2]["pct_of_floor"] == "" and "not installed" in table[2]["note"]
+    )
+    data = json.loads((tmp_path / "out" / "demo.json").read_text())
+    assert data["suite"] == "demo" and data["ceilings"]["name"] == "Test GPU"
+    assert data["ceilings"]["read_gbps"] == 4000.0 and data["ceilings"]["fp8_tflops"] is None
+    assert {"date", "torch", "device"} <= set(data)
+    assert data["rows"][1]["pct_of_floor"] == pytest.approx(20.0) and data["rows"][2]["median_us"] is None
+    printed = capsys.readouterr().out
+    assert "safemoe bench demo on Test GPU" in printed and "absent" in printed
+
+
+def test_ceilings_round_trip():
+    again = harness.DeviceCeilings.from_dict(json.loads(json.dumps(CEILINGS.to_dict())))
+    assert again == CEILINGS
+    assert "fp8 n/a" in CEILINGS.summary()
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        harness.BenchRow("s", "c", t, "clean", impl, 10.0 * t, 5.0 * t)
+        for t in (1, 8, 64)
+        for impl in ("a", "b")
+    ]
+    path = harness.plot_pct_of_floor(rows, tmp_path / "p.png", "test")
+    assert path is not None and path.read_bytes()[:4] == b"\x89PNG"
+    assert (
+        harness.plot_pct_of_floor([rows[0].__class__("s", "c", 1, "v", "a", None)], tmp_path / "q.png", "t")
+        is None
+    )
+
+
+def test_timing_needs_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for timer in (harness.time_graph, harness.time_eager):
+        with pytest.raises(RuntimeError, match="CUDA"):
+            timer(lambda j: None)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        harness.measure_ceilings()
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def test_registry_missing_suite(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(bench.SUITES, "ghost", "safemoe.bench._no_such_suite")
+    assert bench.load_suite("ghost") is None
+    assert bench_cli.run_suite("ghost", CEILINGS, tmp_path, quick=True) == "not built yet"
+    assert "not built yet" in capsys.readouterr().out
+    assert bench.load_suite("reference") is not None
+    with pytest.raises(KeyError):
+        bench.load_suite("nope")
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_on_cpu(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_cli.run(_bench_args("--out", str(tmp_path / "o"), "--quick")) == 0
+    assert bench_cli.NO_GPU_MESSAGE in capsys.readouterr().out
+    assert not (tmp_path / "o").exists()
+    assert bench_cli.run(_bench_args("--suite", "router,nope")) == 2
+    assert "unknown suite" in capsys.readouterr().err
+    args = _bench_args()
+    assert args.suite.split(",") == list(bench.SUITES) and args.out == Path("bench-out")
+
+
+def test_scripts_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU this script runs the real sanitizer cases (scripts/gpu_run.sh does)")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "sanitize.py")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "needs a CUDA GPU" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows sorted by expert id, so routings that list the same experts in another order compare."""
+    order = ids.long().argsort(dim=1)
+    return weights.gather(1, order), ids.long().gather(1, order)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "softmax-plain", "sigmoid-grouped", "sigmoid-bias"])
+def test_torch_route_matches_reference(mode):
+    generator = torch.Generator().manual_seed(1)
+    num_experts, top_k = (32, 4)
+    logits = tie_free_logits(13, num_experts, generator=generator)
+    kwargs: dict = {"scoring": "softmax", "renormalize": True}
+    if mode == "softmax-plain":
+        kwargs.update(renormalize=False, routed_scaling_factor=2.0)
+    elif mode.startswith("sigmoid"):
+        # A bias that is a small multiple of a fixed step keeps selection scores tie-free.
+        bias = (torch.randperm(num_experts, generator=generator).float() - 16) / 512
+        kwargs.update(scoring="sigmoid", bias=bias, routed_scaling_factor=2.5)
+        if mode == "sigmoid-grouped":
+            kwargs.update(n_group=4, topk_group=2)
+    ref_w, ref_ids = route_reference(logits, top_k, **kwargs)
+    for nan_to_num in (False, True):
+        w, ids = peers.torch_route(logits, top_k, nan_to_num=nan_to_num, **kwargs)
+        assert w.dtype == torch.float32 and ids.shape == (13, top_k)
+        w, ids = _by_id(w, ids)
+        want_w, want_ids = _by_id(ref_w, ref_ids)
+        assert_equal(ids, want_ids, what=f"{mode} ids")
+        assert_close(w, want_w, what=f"{mode} weights")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
+def test_hf_loop_matches_reference(activation):
+    generator = torch.Generator().manual_seed(2)
+    num_tokens, num_experts, top_k, hidden, inter = 9, 6, 2, 16, 8
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.3
+    w2 = torch.randn(num_experts, hidden, inter, generator=generator) * 0.3
+    weights, ids = route_reference(tie_free_logits(num_tokens, num_experts, generator=generator), top_k)
+    want = experts_reference(x, w13, w2, weights, ids, activation=activation)
+    assert_close(peers.hf_experts_loop(x, w13, w2, weights, ids, activation), want, what="hf loop")
+    if peers.grouped_mm_available() is None:
+        pytest.skip("this torch has no grouped_mm")
+    try:
+        got = peers.grouped_mm_experts(x, w13, w2, weights, ids, activation)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"grouped_mm cannot run on CPU here: {exc}")
+    assert_close(got, want, what="grouped_mm")
+
+
+def test_library_peers_report_unavailable():
+    status = peers.peer_status()
+    assert set(status) == {"torch grouped_mm", "vllm", "sglang", "flashinfer"}
+    logits = torch.randn(4, 8)
+    calls = {
+        "vllm": lambda: peers.vllm_route(logits, 2),
+        "sglang": lambda: peers.sglang_route(logits, 2),
+        "flashinfer": lambda: peers.flashinfer_fused_experts(
+            torch.randn(4, 8),
+            torch.randn(2, 8, 8),
+            torch.randn(2, 8, 4),
+            torch.rand(4, 1),
+            torch.zeros(4, 1, dtype=torch.int32),
+        ),
+    }
+    for name, call in calls.items():
+        if status[name] == "available":
+            continue
+        assert "not installed" in status[name]
+        with pytest.raises(peers.PeerUnavailable, match="not installed"):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the timers themselves
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_time_graph_and_eager_gpu():
+    a = [torch.randn(1024, 1024, device="cuda") for _ in range(2)]
+    us = harness.time_graph(lambda j: a[j] @ a[j], n_variants=2, calls_per_graph=5, replays=5, warmup=1)
+    assert 0 < us < 1e5
+    us, how = harness.time_auto(lambda j: a[j] @ a[j], n_variants=2, calls_per_graph=5, replays=5, warmup=1)
+    assert how == "graph" and us > 0
+    assert 0 < harness.time_eager(lambda j: a[j].sum().item(), n_variants=2, iters=5, warmup=1) < 1e6
+    with pytest.raises(harness.GraphCaptureError):
+        harness.time_graph(lambda j: a[j].sum().item(), calls_per_graph=2, replays=2, warmup=1)
+    # The device is usable after a failed capture.
+    assert math.isfinite(float((a[0] @ a[1]).sum()))
+
+
+@pytest.mark.gpu
+def test_grouped_mm_peer_gpu():
+    if peers.grouped_mm_available() is None:
+        pytest.skip("this torch has no grouped_mm")
+    generator = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, top_k, hidden, inter = 40, 8, 2, 128, 64
+    x = torch.randn(num_tokens, hidden, generator=generator).to("cuda", torch.bfloat16)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.1).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=generator) * 0.1).to("cuda", torch.bfloat16)
+    weights, ids = route_reference(
+        tie_free_logits(num_tokens, num_experts, generator=generator).cuda(), top_k
+    )
+    want = experts_reference(x, w13, w2, weights, ids)
+    assert_close(peers.grouped_mm_experts(x, w13, w2, weights, ids), want, what="grouped_mm bf16")
+    assert_close(peers.hf_experts_loop(x, w13, w2, weights, ids), want, what="hf loop bf16")
