@@ -7,6 +7,8 @@ in `health`), never used as an address; duplicate ids in a row are each served.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from safemoe import _checks
@@ -14,6 +16,9 @@ from safemoe._triton import require_triton
 from safemoe.health import DROPPED_SLOTS, check_health
 from safemoe.reference import experts_reference, valid_slot_mask
 from safemoe.routing import Routing
+
+if TYPE_CHECKING:
+    from safemoe.workspace import Workspace
 
 
 def experts(
@@ -26,6 +31,7 @@ def experts(
     num_valid: int | torch.Tensor | None = None,
     backend: str = "auto",
     health: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Run the routed expert MLPs.
 
@@ -33,6 +39,10 @@ def experts(
     w2: [E, H, I]. routing: from `safemoe.route` (or any ids int32 / weights float32 [T, K]).
     activation: "silu", "gelu" (tanh approximation) or "swigluoai" (gpt-oss's clamped SwiGLU,
         alpha 1.702, limit 7, on the same gate-then-up layout; de-interleave gpt-oss weights first).
+    workspace: a `safemoe.workspace.Workspace` holding the Triton backend's scratch buffers,
+        allocated once (e.g. for the largest batch) and shared by every layer with the same or
+        smaller dims; without it each triton call allocates and zeroes a temporary one. Ignored
+        by the reference backend.
     Returns [T, H] in x's dtype.
     """
     num_tokens, num_experts, _, _ = _checks.check_experts_args(x, w13, w2, activation)
@@ -49,7 +59,8 @@ def experts(
         from safemoe.kernels.experts import experts_triton
 
         return experts_triton(
-            x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv, health=health
+            x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv, health=health,
+            workspace=workspace,
         )
 
     out = experts_reference(

@@ -1,0 +1,169 @@
+"""Tile configurations of the expert kernels: JSON data per device, plus a heuristic.
+
+A configuration is chosen from shapes alone (E, H, I, K, dtype and the token bucket of T), on the
+host, before any launch, so it is the same inside and outside a CUDA-graph capture and the same
+for a padded batch and an unpadded one of the same T. Tuned entries live in
+`src/safemoe/configs/<device name, spaces -> _>.json`, written by `scripts/tune_experts.py`:
+
+    {"device": "NVIDIA H200", "triton": "3.6.0", "date": "...",
+     "configs": {"E128_H2048_I768_K8_bfloat16": {"1": {"block_m": 16, "gemm1": {...}, ...}}}}
+
+Token buckets are powers of two (T rounds up). A shape with entries but none for its bucket uses
+the nearest tuned bucket at or below it (tiles for many tokens stay good for more), else the
+nearest above; a shape with no entry at all uses `heuristic_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent
+
+# The workspace is sized for this BLOCK_M, so any configuration may use any BLOCK_M up to it.
+MAX_BLOCK_M = 128
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+_CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl")
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tiles of one expert GEMM. block_n spans the output columns (I for GEMM1, whose gate and up
+    halves each get a block_n-wide accumulator; H for GEMM2), block_k the reduction."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """block_m: rows per M-block; each expert's slots are padded to a multiple of it by dispatch,
+    so both GEMMs share it. programs_per_sm caps the persistent grids at that many programs per SM.
+    pdl: launch with programmatic dependent launch (Hopper+), overlapping each kernel's launch with
+    the previous kernel's tail."""
+
+    block_m: int
+    gemm1: GemmTiles
+    gemm2: GemmTiles
+    programs_per_sm: int = 4
+    pdl: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.block_m not in BLOCK_M_CHOICES:
+            raise ValueError(f"block_m must be one of {BLOCK_M_CHOICES}, got {self.block_m}")
+        for name, tiles in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
+            for attr in ("block_n", "block_k"):
+                value = getattr(tiles, attr)
+                if value < 16 or value & (value - 1):
+                    raise ValueError(f"{name}.{attr} must be a power of two >= 16, got {value}")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("extra")
+        return data
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> ExpertsConfig:
+        return ExpertsConfig(
+            block_m=int(data["block_m"]),
+            gemm1=GemmTiles(**data["gemm1"]),
+            gemm2=GemmTiles(**data["gemm2"]),
+            programs_per_sm=int(data.get("programs_per_sm", 4)),
+            pdl=bool(data.get("pdl", False)),
+            extra={k: v for k, v in data.items() if k not in _CONFIG_FIELDS},
+        )
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The power of two at or above T (T >= 1)."""
+    return 1 << max(0, int(num_tokens) - 1).bit_length()
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> str:
+    return f"E{num_experts}_H{hidden}_I{inter}_K{top_k}_{str(dtype).removeprefix('torch.')}"
+
+
+def device_file(device_name: str) -> Path:
+    return CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
+
+
+@functools.lru_cache(maxsize=16)
+def load_device_configs(device_name: str) -> dict[str, dict[int, ExpertsConfig]]:
+    """{shape key: {token bucket: config}} from the device's JSON file ({} when there is none)."""
+    path = device_file(device_name)
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    table: dict[str, dict[int, ExpertsConfig]] = {}
+    for key, buckets in raw.get("configs", {}).items():
+        table[key] = {int(b): ExpertsConfig.from_json(cfg) for b, cfg in buckets.items()}
+    return table
+
+
+def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                     dtype: torch.dtype) -> ExpertsConfig:
+    """Tiles from the expected rows per expert under uniform routing.
+
+    Few rows per expert (decode): the GEMMs stream weights, so BLOCK_M is the smallest tensor-core
+    tile (16) and BLOCK_N is narrow, giving many programs with deep pipelines to keep enough bytes
+    in flight. Many rows (prefill): the classic compute-bound tiles (128 x 128 x 64, 8 warps).
+    """
+    rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
+    small_k = 128 if dtype != torch.float32 else 64
+    if rows_per_expert <= 16:
+        return ExpertsConfig(
+            block_m=16,
+            gemm1=GemmTiles(block_n=32, block_k=small_k, group_m=1, num_warps=4, num_stages=4),
+            gemm2=GemmTiles(block_n=64, block_k=small_k, group_m=1, num_warps=4, num_stages=4),
+        )
+    if rows_per_expert <= 48:
+        return ExpertsConfig(
+            block_m=32,
+            gemm1=GemmTiles(block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4),
+            gemm2=GemmTiles(block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4),
+        )
+    if rows_per_expert <= 96:
+        return ExpertsConfig(
+            block_m=64,
+            gemm1=GemmTiles(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
+            gemm2=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+        )
+    return ExpertsConfig(
+        block_m=128,
+        gemm1=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+        gemm2=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    )
+
+
+def interpreter_config(num_tokens: int, num_experts: int, top_k: int) -> ExpertsConfig:
+    """Small tiles for the CPU interpreter: shapes there are tiny and wide tiles only cost time."""
+    block_m = 16 if num_tokens * top_k / num_experts <= 16 else 32
+    return ExpertsConfig(
+        block_m=block_m,
+        gemm1=GemmTiles(block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1),
+        gemm2=GemmTiles(block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1),
+    )
+
+
+def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+               dtype: torch.dtype, device: torch.device) -> ExpertsConfig:
+    """The configuration for these shapes on `device` (tuned entry, else the heuristic)."""
+    if device.type != "cuda":
+        return interpreter_config(num_tokens, num_experts, top_k)
+    table = load_device_configs(torch.cuda.get_device_name(device))
+    buckets = table.get(shape_key(num_experts, hidden, inter, top_k, dtype))
+    if buckets:
+        bucket = token_bucket(num_tokens)
+        below = [b for b in buckets if b <= bucket]
+        chosen = max(below) if below else min(buckets)
+        return buckets[chosen]
+    return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)

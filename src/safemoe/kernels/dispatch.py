@@ -1,0 +1,252 @@
+"""Dispatch: routing ids [T, K] -> the expert-sorted, BLOCK_M-padded slot layout the GEMMs read.
+
+Contract (see also reference.dispatch_reference, which this matches up to the order of slots
+inside one expert):
+- Slots are numbered s = t * K + k. A slot is *served* iff t < num_valid and 0 <= ids[t, k] < E.
+  Duplicate ids in a row are each served. Ids of rows >= num_valid are never read. Every slot of a
+  valid row whose id is outside [0, E) (-1, negative, >= E, stale garbage) is dropped, never used
+  as an address, and counted into health[DROPPED_SLOTS].
+- Output (in the workspace): counts per expert are folded into `block_end[e]` (inclusive prefix sum
+  of ceil(count_e / BLOCK_M)), `num_blocks` (M-blocks in use), and `sorted_slots`, where expert e
+  owns positions [BLOCK_M * (block_end[e-1]), BLOCK_M * block_end[e]): its served slots first (in
+  an unspecified order: positions come from atomics), then -1 in the padding positions. Positions
+  at or past num_blocks * BLOCK_M are not written and must not be read.
+- Two launches whatever T is (one when a single chunk covers every slot): `count` histograms each
+  chunk of slots into `counts` with atomics; the last program to finish (an acq_rel ticket) turns
+  the counts into the padded layout, writes the -1 padding and cursor[e] = first position of e,
+  and puts `counts` and the ticket back to zero, so a workspace needs no clearing between calls.
+  `scatter` then gives each served slot `pos = atomic_add(cursor[e], 1)`. Grids depend on T only;
+  programs past the last chunk holding a slot of a valid row return at once, so the work scales
+  with num_valid, which may be a device tensor (read on the device, clamped to [0, T]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from safemoe._checks import NumValid
+from safemoe.workspace import WorkspaceViews, capacity, num_bins
+
+# Slots per program of count/scatter: one program covers decode batches (T*K <= 4096), so small T
+# runs count + scan + scatter in a single launch.
+CHUNK = 4096
+_PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
+
+
+@triton.jit
+def _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR: tl.constexpr):
+    """num_valid from the device (clamped to [0, T]) or the host int."""
+    if HAS_NUM_VALID_PTR:
+        count = tl.load(num_valid_ptr).to(tl.int64)
+        count = tl.minimum(tl.maximum(count, 0), num_tokens)
+        return count.to(tl.int32)
+    else:
+        return num_valid_count
+
+
+@triton.jit
+def _scatter_chunk(ids_ptr, slots, num_served_rows_slots, num_experts, cursor_ptr, sorted_slots_ptr):
+    """Give each served slot of this chunk a position in its expert's range."""
+    in_rows = slots < num_served_rows_slots
+    expert = tl.load(ids_ptr + slots, mask=in_rows, other=-1)
+    served = in_rows & (expert >= 0) & (expert < num_experts)
+    expert = tl.where(served, expert, 0)
+    pos = tl.atomic_add(cursor_ptr + expert, 1, mask=served, sem="relaxed")
+    tl.store(sorted_slots_ptr + pos, slots, mask=served)
+
+
+@triton.jit
+def _count_kernel(
+    # inputs
+    ids_ptr,  # [T, K] int32
+    num_valid_ptr,  # 0-dim int32/int64 (if HAS_NUM_VALID_PTR)
+    # workspace
+    counts_ptr,  # [NUM_BINS] int32, zero on entry and on exit
+    ticket_ptr,  # [1] int32, zero on entry and on exit
+    cursor_ptr,  # [E] int32 out: first position of each expert
+    block_end_ptr,  # [E] int32 out: inclusive prefix sum of M-blocks per expert
+    num_blocks_ptr,  # [1] int32 out: M-blocks in use
+    sorted_slots_ptr,  # [capacity] int32 out: -1 written into padding positions (and slots if FUSE_SCATTER)
+    health_ptr,  # [8] int64 (if HAS_HEALTH)
+    # shapes
+    num_valid_count,
+    num_tokens,
+    num_experts,
+    TOP_K: tl.constexpr,
+    # meta
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    FILL: tl.constexpr,
+    HAS_NUM_VALID_PTR: tl.constexpr,
+    HAS_HEALTH: tl.constexpr,
+    FUSE_SCATTER: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
+    valid_slots = num_valid * TOP_K
+    slots = pid * CHUNK + tl.arange(0, CHUNK)
+    bins = tl.arange(0, NUM_BINS)
+    if pid * CHUNK < valid_slots:
+        in_rows = slots < valid_slots
+        expert = tl.load(ids_ptr + slots, mask=in_rows, other=-1)
+        served = in_rows & (expert >= 0) & (expert < num_experts)
+        # Slots that are not served land in bin E, which is never added.
+        hist = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
+        tl.atomic_add(counts_ptr + bins, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
+        if HAS_HEALTH:
+            dropped = tl.sum((in_rows & ~served).to(tl.int64))
+            tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
+    # Every thread's count atomics are ordered before the ticket by this barrier and the ticket's
+    # release; the last program's acquire then sees all of them.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        # Read-and-reset at L2 (never a stale L1 line): the counters are zero again for the next call.
+        counts = tl.atomic_xchg(counts_ptr + bins, 0, mask=bins < num_experts, sem="relaxed")
+        counts = tl.where(bins < num_experts, counts, 0)
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_end = tl.cumsum(blocks, 0)
+        start = (block_end - blocks) * BLOCK_M
+        tl.store(block_end_ptr + bins, block_end, mask=bins < num_experts)
+        tl.store(cursor_ptr + bins, start, mask=bins < num_experts)
+        tl.store(num_blocks_ptr, tl.sum(blocks, 0))
+        for j0 in tl.static_range(0, BLOCK_M, FILL):
+            j = j0 + tl.arange(0, FILL)
+            fill = counts[:, None] + j[None, :]  # position inside the expert's range
+            pad = (bins[:, None] < num_experts) & (fill < (blocks * BLOCK_M)[:, None])
+            sentinel = tl.full((NUM_BINS, FILL), -1, tl.int32)
+            tl.store(sorted_slots_ptr + start[:, None] + fill, sentinel, mask=pad)
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+        if FUSE_SCATTER:
+            # The only program: scatter its own chunk now that cursor holds the starts.
+            tl.debug_barrier()
+            _scatter_chunk(ids_ptr, slots, valid_slots, num_experts, cursor_ptr, sorted_slots_ptr)
+
+
+@triton.jit
+def _scatter_kernel(
+    ids_ptr,  # [T, K] int32
+    num_valid_ptr,
+    cursor_ptr,  # [E] int32: advanced by one per served slot
+    sorted_slots_ptr,  # [capacity] int32 out
+    num_valid_count,
+    num_tokens,
+    num_experts,
+    TOP_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_NUM_VALID_PTR: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
+    valid_slots = num_valid * TOP_K
+    if pid * CHUNK < valid_slots:
+        slots = pid * CHUNK + tl.arange(0, CHUNK)
+        _scatter_chunk(ids_ptr, slots, valid_slots, num_experts, cursor_ptr, sorted_slots_ptr)
+
+
+def pdl_supported() -> bool:
+    """Whether this triton accepts `launch_pdl` (programmatic dependent launch) as a launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def launch_options(use_pdl: bool) -> dict[str, bool]:
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+def dispatch_into(
+    ids: torch.Tensor,  # [T, K] int32
+    num_experts: int,
+    num_valid: NumValid,
+    block_m: int,
+    views: WorkspaceViews,
+    health: torch.Tensor | None,
+    *,
+    use_pdl: bool = False,
+) -> None:
+    """Build the padded expert-sorted layout for `ids` into the workspace views (no allocation)."""
+    num_tokens, top_k = ids.shape
+    slots = num_tokens * top_k
+    if slots == 0:
+        raise ValueError("dispatch_into needs T >= 1 (the caller returns early for T = 0)")
+    if slots >= 2**31 or capacity(num_tokens, num_experts, top_k) >= 2**31:
+        raise ValueError(f"T*K = {slots} slots are past int32 indexing; split the batch")
+    grid = triton.cdiv(slots, CHUNK)
+    has_nv_ptr = num_valid.tensor is not None
+    nv_ptr = num_valid.tensor if has_nv_ptr else ids
+    nv_count = num_valid.count if num_valid.count is not None else num_tokens
+    fuse = grid == 1
+    # grid: one program per CHUNK slots of [T * K]
+    _count_kernel[(grid,)](
+        ids, nv_ptr,
+        views.counts, views.ticket, views.cursor, views.block_end, views.num_blocks, views.sorted_slots,
+        health if health is not None else ids,
+        nv_count, num_tokens, num_experts, top_k,
+        BLOCK_M=block_m, CHUNK=CHUNK, NUM_BINS=num_bins(num_experts), FILL=min(block_m, _PADDING_FILL),
+        HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, FUSE_SCATTER=fuse, USE_PDL=use_pdl,
+        num_warps=4, **launch_options(use_pdl),
+    )
+    if not fuse:
+        _scatter_kernel[(grid,)](
+            ids, nv_ptr, views.cursor, views.sorted_slots,
+            nv_count, num_tokens, num_experts, top_k,
+            CHUNK=CHUNK, HAS_NUM_VALID_PTR=has_nv_ptr, USE_PDL=use_pdl,
+            num_warps=4, **launch_options(use_pdl),
+        )
+
+
+@dataclass
+class DispatchResult:
+    """The dispatch layout copied out of a workspace (for tests and inspection; host syncs)."""
+
+    block_m: int
+    num_blocks: int
+    block_end: torch.Tensor  # [E] int64
+    sorted_slots: torch.Tensor  # [num_blocks * block_m] int64, -1 in padding
+
+    def expert_slots(self, expert: int) -> torch.Tensor:
+        """Served slots of `expert`, sorted (the kernel's order inside an expert is unspecified)."""
+        start = 0 if expert == 0 else int(self.block_end[expert - 1]) * self.block_m
+        end = int(self.block_end[expert]) * self.block_m
+        part = self.sorted_slots[start:end]
+        return torch.sort(part[part >= 0]).values
+
+
+def dispatch_triton(
+    ids: torch.Tensor,
+    num_experts: int,
+    num_valid: NumValid,
+    block_m: int,
+    *,
+    health: torch.Tensor | None = None,
+    views: WorkspaceViews | None = None,
+) -> DispatchResult:
+    """Run dispatch alone and return its layout (allocates a workspace unless `views` is given)."""
+    from safemoe.workspace import Workspace
+
+    num_tokens, top_k = ids.shape
+    if views is None:
+        ws = Workspace(max(num_tokens, 1), num_experts, top_k, 16, 16, torch.float32, ids.device)
+        views = ws.views(num_tokens, num_experts, top_k, 16, 16)
+    dispatch_into(ids, num_experts, num_valid, block_m, views, health)
+    used = int(views.num_blocks.item())
+    return DispatchResult(
+        block_m=block_m,
+        num_blocks=used,
+        block_end=views.block_end.to(torch.int64).cpu(),
+        sorted_slots=views.sorted_slots[: used * block_m].to(torch.int64).cpu(),
+    )

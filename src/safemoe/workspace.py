@@ -1,0 +1,161 @@
+"""One scratch workspace for the expert kernels, allocated once and shared by every layer.
+
+Every buffer the dispatch, GEMM and combine kernels need between launches lives here, sized from
+(max_tokens, E, K, H, I, dtype) for the largest BLOCK_M any configuration may use
+(`configs.MAX_BLOCK_M`), so the kernels never allocate (CUDA-graph safe) and one workspace serves
+every layer whose dims are the same or smaller. Nothing in it needs clearing between calls: the
+dispatch kernel leaves its counters at zero when it finishes (they start at zero because the
+workspace is allocated zeroed), and every other buffer is written before it is read in a call.
+Calls that share a workspace must run one after another (one stream).
+
+Sizes, with S = max_tokens * K slots and BM = MAX_BLOCK_M:
+- capacity = S + min(E, S) * (BM - 1): expert-sorted positions with each expert padded to a
+  multiple of BLOCK_M (each used expert wastes at most BLOCK_M - 1 positions).
+- sorted_slots [capacity] int32, intermediate [capacity, I] (x's dtype), y [S, H] (x's dtype).
+- counts, cursor, block_end [E] int32 (counts padded to a power of two for the histogram), ticket,
+  num_blocks: int32 scalars.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from safemoe.configs import MAX_BLOCK_M
+
+_INDEX_DTYPE = torch.int32
+
+
+def num_bins(num_experts: int) -> int:
+    """Histogram bins: a power of two above E, so bin E collects the slots that are not served."""
+    return 1 << num_experts.bit_length()
+
+
+def capacity(num_tokens: int, num_experts: int, top_k: int, block_m: int = MAX_BLOCK_M) -> int:
+    """Expert-sorted positions needed for T tokens when experts are padded to `block_m` rows."""
+    slots = num_tokens * top_k
+    return slots + min(num_experts, slots) * (block_m - 1)
+
+
+def max_m_blocks(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> int:
+    """Upper bound of the M-blocks dispatch can produce: sum_e ceil(c_e / BM) <= ceil(S / BM) + min(E, S)."""
+    slots = num_tokens * top_k
+    return -(-slots // block_m) + min(num_experts, slots)
+
+
+def _meta_elems(num_experts: int) -> int:
+    # counts (num_bins) | ticket | num_blocks | cursor (E) | block_end (E)
+    return num_bins(num_experts) + 2 + 2 * num_experts
+
+
+def workspace_bytes(max_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes a `Workspace` of these dims allocates (computed without allocating)."""
+    cap = capacity(max_tokens, num_experts, top_k)
+    elem = torch.empty((), dtype=dtype).element_size()
+    index = torch.empty((), dtype=_INDEX_DTYPE).element_size()
+    return (_meta_elems(num_experts) + cap) * index + (cap * inter + max_tokens * top_k * hidden) * elem
+
+
+@dataclass
+class WorkspaceViews:
+    """The buffers one call uses, as views sized for that call (no allocation)."""
+
+    counts: torch.Tensor  # [num_bins] int32, zero between calls
+    ticket: torch.Tensor  # [1] int32, zero between calls
+    num_blocks: torch.Tensor  # [1] int32: M-blocks in use this call
+    cursor: torch.Tensor  # [E] int32: next free position of each expert while scattering
+    block_end: torch.Tensor  # [E] int32: inclusive prefix sum of each expert's M-blocks
+    sorted_slots: torch.Tensor  # [capacity] int32: slot s = t*K + k, or -1 in padding positions
+    intermediate: torch.Tensor  # [capacity, I] act(gate) * up, by sorted position
+    y: torch.Tensor  # [T*K, H] weighted expert outputs, by slot
+
+
+class Workspace:
+    """Scratch buffers for `experts(...)` calls with up to `max_tokens` tokens.
+
+    `Workspace(max_tokens, num_experts, top_k, hidden, inter, dtype, device)`; `.nbytes` is what
+    it holds. Pass it as `workspace=` to `safemoe.experts` (or the layer runtime) for every layer
+    with the same dtype and device and E, K, H, I no larger than these.
+    """
+
+    def __init__(self, max_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        for name, value in (("max_tokens", max_tokens), ("num_experts", num_experts), ("top_k", top_k),
+                            ("hidden", hidden), ("inter", inter)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Workspace {name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"Workspace top_k={top_k} must be <= num_experts={num_experts}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"Workspace dtype must be bfloat16, float16 or float32, got {dtype}")
+        cap = capacity(max_tokens, num_experts, top_k)
+        if cap >= 2**31:
+            raise ValueError(
+                f"Workspace for max_tokens={max_tokens}, top_k={top_k} needs {cap} sorted positions, "
+                "past int32 indexing; split the batch"
+            )
+        self.max_tokens = max_tokens
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden = hidden
+        self.inter = inter
+        self.dtype = dtype
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.capacity = cap
+        # The counters must start at zero (the dispatch kernel keeps them so afterwards).
+        self._index = torch.zeros(_meta_elems(num_experts) + cap, dtype=_INDEX_DTYPE, device=self.device)
+        self._data = torch.empty(cap * inter + max_tokens * top_k * hidden, dtype=dtype, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        index, data = self._index, self._data
+        return index.numel() * index.element_size() + data.numel() * data.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"Workspace(max_tokens={self.max_tokens}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"hidden={self.hidden}, inter={self.inter}, dtype={self.dtype}, device={self.device}, "
+            f"nbytes={self.nbytes})"
+        )
+
+    def check(self, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+              dtype: torch.dtype, device: torch.device) -> None:
+        """Raise ValueError/TypeError when this workspace cannot serve a call with these dims."""
+        if dtype != self.dtype:
+            raise TypeError(f"workspace has dtype {self.dtype} but x has {dtype}")
+        if device != self.device:
+            raise ValueError(f"workspace is on {self.device} but x is on {device}")
+        for name, need, have in (("T", num_tokens, self.max_tokens), ("E", num_experts, self.num_experts),
+                                 ("H", hidden, self.hidden), ("I", inter, self.inter)):
+            if need > have:
+                raise ValueError(f"workspace was sized for {name} <= {have}, got {name}={need}; {self!r}")
+        too_many_slots = num_tokens * top_k > self.max_tokens * self.top_k
+        if too_many_slots or capacity(num_tokens, num_experts, top_k) > self.capacity:
+            raise ValueError(
+                f"workspace was sized for {self.max_tokens} tokens x top_k {self.top_k}, got T={num_tokens} "
+                f"x K={top_k}; {self!r}"
+            )
+
+    def views(self, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> WorkspaceViews:
+        """Views for one call (dims already checked with `check`)."""
+        bins = num_bins(self.num_experts)  # the histogram of a smaller E still fits in these bins
+        e = num_experts
+        idx = self._index
+        meta = bins + 2 + 2 * self.num_experts
+        cap = capacity(num_tokens, num_experts, top_k)
+        slots = num_tokens * top_k
+        return WorkspaceViews(
+            counts=idx[:bins],
+            ticket=idx[bins : bins + 1],
+            num_blocks=idx[bins + 1 : bins + 2],
+            cursor=idx[bins + 2 : bins + 2 + e],
+            block_end=idx[bins + 2 + self.num_experts : bins + 2 + self.num_experts + e],
+            sorted_slots=idx[meta : meta + cap],
+            intermediate=self._data[: cap * inter].view(cap, inter),
+            y=self._data[cap * inter : cap * inter + slots * hidden].view(slots, hidden),
+        )
