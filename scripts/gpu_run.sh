@@ -10,7 +10,9 @@
 #   BENCH_SUITES    suites for the bench stage (default: all)
 #   QUICK=1         smaller bench and per-stage time limits that fit a 7-minute call
 #   TESTS_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT   per-stage limits in seconds
+#   PYTEST_TARGETS  what pytest collects (default: tests)
 #   PYTEST_ARGS     extra pytest arguments (e.g. "-k router")
+#   BENCH_SUITE_TIMEOUT  seconds allowed per bench suite (default: no limit of its own)
 #
 # A failing stage is recorded and the later stages still run. Writes OUT_DIR/{tests,sanitize,
 # bench}.log, OUT_DIR/bench/, OUT_DIR/summary.txt and OUT_DIR/results.tar.gz (all of it in one
@@ -50,6 +52,11 @@ record() {  # stage rc detail
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
     python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
     python3 -c 'import triton; print("triton", triton.__version__)' 2>&1
+    python3 - <<'EOF' 2>&1
+import importlib.util
+names = ["rich", "matplotlib", "numpy", "transformers", "vllm", "sglang", "flashinfer", "xdist", "hypothesis"]
+print("importable:", " ".join(f"{n}={'yes' if importlib.util.find_spec(n) else 'no'}" for n in names))
+EOF
     git rev-parse HEAD 2>/dev/null || echo "no git"
 } > "$OUT_DIR/env.txt"
 DEVICE=$(python3 -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")' 2>/dev/null)
@@ -57,7 +64,7 @@ DEVICE=$(python3 -c 'import torch; print(torch.cuda.get_device_name() if torch.c
 if has_stage tests; then
     echo "== tests (limit ${TESTS_TIMEOUT} s) =="
     # The whole suite, compiled on the GPU; CPU-only tests run too.
-    timeout --kill-after=15 "$TESTS_TIMEOUT" python3 -m pytest tests -m "gpu or not slow" -q -p no:cacheprovider \
+    timeout --kill-after=15 "$TESTS_TIMEOUT" python3 -m pytest ${PYTEST_TARGETS:-tests} -m "gpu or not slow" -q -p no:cacheprovider \
         ${PYTEST_ARGS:-} > "$OUT_DIR/tests.log" 2>&1
     rc=$?
     counts=$(grep -E "(passed|failed|error|skipped)" "$OUT_DIR/tests.log" | tail -n 1 | tr -d '=' | xargs)
@@ -87,7 +94,9 @@ if has_stage bench; then
     args=(--out "$OUT_DIR/bench")
     [ "$QUICK" = "1" ] && args+=(--quick)
     [ -n "${BENCH_SUITES:-}" ] && args+=(--suite "$BENCH_SUITES")
-    if [ -f src/safemoe/cli.py ]; then entry=(safemoe.cli bench); else entry=(safemoe.bench.cli); fi
+    [ -n "${BENCH_SUITE_TIMEOUT:-}" ] && args+=(--timeout "$BENCH_SUITE_TIMEOUT")
+    # `python -m safemoe bench` is the `safemoe bench` command; the bench module itself is the fallback.
+    if [ -f src/safemoe/__main__.py ]; then entry=(safemoe bench); else entry=(safemoe.bench.cli); fi
     timeout --kill-after=15 "$BENCH_TIMEOUT" python3 -m "${entry[@]}" "${args[@]}" > "$OUT_DIR/bench.log" 2>&1
     rc=$?
     suites=$(python3 - "$OUT_DIR/bench/summary.json" <<'EOF' 2>/dev/null
