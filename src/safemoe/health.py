@@ -48,3 +48,31 @@ def check_health(health: torch.Tensor | None, device: torch.device) -> None:
         raise ValueError(f"health must be on {device}, got {health.device}")
     if not health.is_contiguous():
         raise ValueError("health must be contiguous")
+
+
+class Health:
+    """A health tensor with a readable face: pass `.tensor` (or the `Health` itself, where an op
+    takes `health=`) to the ops of every layer, replay graphs as often as needed, then `.read()`.
+
+    The kernels only ever add to `.tensor` on the device; `.read()` is the one host sync, made
+    when the caller chooses (after a step, at the end of a benchmark), never inside a forward.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.tensor = new_health_tensor(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def read(self) -> dict[str, int]:
+        """Counter values by name (see SLOT_NAMES); copies the tensor to the host (syncs)."""
+        values = self.tensor.tolist()
+        return {name: int(values[slot]) for slot, name in SLOT_NAMES.items()}
+
+    def reset(self) -> None:
+        """Zero every counter in place (the tensor a captured graph holds stays the same)."""
+        self.tensor.zero_()
+
+    def __repr__(self) -> str:
+        return f"Health(device={self.device})"

@@ -1,0 +1,375 @@
+"""`safemoe demo`: the stock transformers MoE and safemoe side by side on padded decode batches.
+
+A Qwen3-MoE model with random weights is built from a config shipped in the package (tiny on CPU;
+on a GPU a few layers at Qwen3-30B-A3B dimensions). A stream of decode-shaped batches (one new
+token per sequence, batch sizes drawn at random) is padded up to the CUDA-graph buckets 1, 2, 4,
+... and, in every layer, the padding rows of the attention output are overwritten with NaN (what a
+stale attention buffer holds in a real engine). The same stream runs through the stock model and
+through the safemoe-patched model (bucketed CUDA graphs on a GPU, the same bucketing eagerly on
+CPU); each step is also run without padding, and the real rows' next tokens compared.
+
+The step is a decode step without a KV cache (each sequence is one token long): the MoE layers
+see exactly the [batch, 1, H] activations they see in decode, and the attention of a one-token
+sequence cannot mix rows, so any difference between padded and unpadded runs comes from the MoE.
+
+Probes are forward hooks that only do device work (captured into the graphs with the model):
+duplicate expert ids per row from the router's output, non-finite rows of each MoE block's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from safemoe.graphs import CUDAGraphRunner
+from safemoe.health import Health
+
+CONFIGS = {"tiny": "demo_qwen3_moe_tiny.json", "gpu": "demo_qwen3_moe_gpu.json"}
+
+
+# -- model ------------------------------------------------------------------------------------
+def load_config(name_or_path: str, num_layers: int | None = None) -> Any:
+    """A transformers Qwen3MoeConfig from a shipped config name ("tiny", "gpu") or a JSON path."""
+    from transformers import Qwen3MoeConfig
+
+    if name_or_path in CONFIGS:
+        text = resources.files("safemoe.configs").joinpath(CONFIGS[name_or_path]).read_text()
+    else:
+        text = Path(name_or_path).read_text()
+    values = {k: v for k, v in json.loads(text).items() if not k.startswith("_") and k != "model_type"}
+    if num_layers is not None:
+        values["num_hidden_layers"] = num_layers
+    return Qwen3MoeConfig(**values)
+
+
+def build_model(config: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """A random-initialised Qwen3MoeForCausalLM, created directly on `device` in `dtype`."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def decode_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """One decode step for B one-token sequences: input_ids [B] -> fp32 logits [B, V].
+
+    Runs the decoder layers directly (no KV cache, no mask construction: nothing that could
+    synchronise with the host inside a captured graph)."""
+    inner = model.model
+    hidden = inner.embed_tokens(input_ids[:, None])  # [B, 1, H]
+    positions = position_ids[:, None]  # [B, 1]
+    position_embeddings = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers:
+        hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+    hidden = inner.norm(hidden)
+    return model.lm_head(hidden[:, 0]).float()
+
+
+# -- probes -----------------------------------------------------------------------------------
+class Probes:
+    """Forward hooks that poison attention padding rows and record what the MoE layers did.
+
+    `num_valid` is the step's real-row count (a 0-dim tensor; None: no padding, hooks idle).
+    Buffers are [layers, max_rows] flags written with device copies, so a graph replays them.
+    """
+
+    def __init__(self, model: nn.Module, max_rows: int, device: torch.device) -> None:
+        self.num_valid: torch.Tensor | None = None
+        layers = model.model.layers
+        self.duplicate = torch.zeros(len(layers), max_rows, dtype=torch.bool, device=device)
+        self.moe_nonfinite = torch.zeros(len(layers), max_rows, dtype=torch.bool, device=device)
+        self.handles = []
+        for index, layer in enumerate(layers):
+            self.handles.append(layer.self_attn.register_forward_hook(self._poison))
+            self.handles.append(layer.mlp.register_forward_hook(self._moe_output(index)))
+            router = layer.mlp.moe.gate if hasattr(layer.mlp, "moe") else layer.mlp.gate
+            self.handles.append(router.register_forward_hook(self._router_output(index)))
+
+    def _padding_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        assert self.num_valid is not None
+        return torch.arange(rows, device=device) >= self.num_valid  # [rows] bool
+
+    def _poison(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.num_valid is None:
+            return output
+        attn, *rest = output  # attn [B, 1, H]
+        pad = self._padding_rows(attn.shape[0], attn.device)
+        return (attn.masked_fill(pad[:, None, None], math.nan), *rest)
+
+    def _router_output(self, index: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            # stock router: (logits, scores, ids [T, K] int64); safemoe Router: (weights, ids)
+            ids = output[-1]
+            ordered = torch.sort(ids, dim=-1).values
+            same = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # -1 is padding
+            self.duplicate[index, : ids.shape[0]].copy_(same.any(dim=-1))
+
+        return hook
+
+    def _moe_output(self, index: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            rows = out.reshape(-1, out.shape[-1])
+            self.moe_nonfinite[index, : rows.shape[0]].copy_(~torch.isfinite(rows).all(dim=-1))
+
+        return hook
+
+    def clear(self) -> None:
+        self.duplicate.zero_()
+        self.moe_nonfinite.zero_()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# -- the stream -------------------------------------------------------------------------------
+@dataclass
+class SideResult:
+    side: str
+    mode: str
+    steps: int = 0
+    steps_with_padding: int = 0
+    padding_rows_nan_filled: int = 0
+    moe_nonfinite_padding_rows: int = 0
+    nan_leaked_real_rows: int = 0
+    duplicate_id_rows: int = 0
+    crashes: int = 0
+    tokens_differ: int = 0
+    real_rows: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    health: dict[str, int] | None = None
+
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.step_ms) if self.step_ms else None
+
+
+def make_stream(steps: int, max_batch: int, vocab: int, seed: int) -> list[torch.Tensor]:
+    """Token batches of random sizes in [1, max_batch]; every fourth one a power of two (no padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for step in range(steps):
+        size = int(torch.randint(1, max_batch + 1, (1,), generator=generator))
+        if step % 4 == 3:
+            size = 1 << (size.bit_length() - 1)
+        batches.append(torch.randint(0, vocab, (size,), generator=generator))
+    return batches
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_side(
+    side: str,
+    model: nn.Module,
+    stream: list[torch.Tensor],
+    max_batch: int,
+    device: torch.device,
+    *,
+    set_model_num_valid: Any = None,
+    health: Health | None = None,
+) -> SideResult:
+    """Run the stream through `model`: padded (graphs on CUDA) with NaN-poisoned padding, and
+    unpadded eagerly for the token comparison."""
+    probes = Probes(model, max_batch, device)
+    positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+
+    def step(input_ids: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+        return decode_logits(model, input_ids, positions[: input_ids.shape[0]])
+
+    example = torch.zeros(max_batch, dtype=torch.long, device=device)
+    result = SideResult(side=side, mode="")
+    # One device scalar for the whole side: the runner sets it, the hooks and the patched blocks
+    # read it (captured graphs keep reading the same storage).
+    num_valid = torch.zeros((), dtype=torch.int32, device=device)
+    probes.num_valid = num_valid
+    if set_model_num_valid is not None:
+        set_model_num_valid(num_valid)
+    with torch.inference_mode():
+        runner: CUDAGraphRunner | None = None
+        if device.type == "cuda":
+            try:
+                runner = CUDAGraphRunner(step, max_batch, example, num_valid=num_valid)
+                result.mode = "CUDA graphs"
+            except RuntimeError as error:
+                result.errors.append(f"capture: {error}"[:300])
+        if runner is None:
+            runner = CUDAGraphRunner(step, max_batch, example, num_valid=num_valid, allow_eager=True, force_eager=True)
+            result.mode = "eager" if not result.errors else "eager (graph capture failed)"
+        for input_ids in stream:
+            batch = input_ids.shape[0]
+            bucket = runner.bucket_for(batch)
+            result.steps += 1
+            result.real_rows += batch
+            if bucket > batch:
+                result.steps_with_padding += 1
+                result.padding_rows_nan_filled += bucket - batch
+            try:
+                probes.clear()
+                input_ids = input_ids.to(device)
+                _sync(device)
+                start = time.perf_counter()
+                logits = runner(input_ids).clone()  # [B, V]
+                _sync(device)
+                result.step_ms.append((time.perf_counter() - start) * 1e3)
+                duplicate = probes.duplicate[:, :bucket].cpu()
+                nonfinite = probes.moe_nonfinite[:, :bucket].cpu()
+                real_bad = ~torch.isfinite(logits).all(dim=-1).cpu() | nonfinite[:, :batch].any(dim=0)
+                result.duplicate_id_rows += int(duplicate.sum())
+                result.moe_nonfinite_padding_rows += int(nonfinite[:, batch:].sum())
+                result.nan_leaked_real_rows += int(real_bad.sum())
+                result.tokens_differ += _tokens_differ(
+                    model, probes, input_ids, positions, logits, runner, set_model_num_valid
+                )
+            except Exception as error:  # a crash is a result: record it, keep streaming
+                result.crashes += 1
+                result.errors.append(f"step {result.steps}: {type(error).__name__}: {error}"[:300])
+                if device.type == "cuda" and "illegal memory access" in str(error):
+                    break  # the CUDA context is gone; nothing after this can run
+    probes.remove()
+    if health is not None:
+        result.health = health.read()
+    return result
+
+
+def _tokens_differ(
+    model: nn.Module,
+    probes: Probes,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    padded_logits: torch.Tensor,
+    runner: CUDAGraphRunner,
+    set_model_num_valid: Any,
+) -> int:
+    """Real rows whose next token differs from an eager run of exactly those rows, no padding."""
+    probes.num_valid = None
+    if set_model_num_valid is not None:
+        set_model_num_valid(None)
+    try:
+        plain = decode_logits(model, input_ids, positions[: input_ids.shape[0]])
+    finally:
+        probes.num_valid = runner.num_valid
+        if set_model_num_valid is not None:
+            set_model_num_valid(runner.num_valid)
+    return int((plain.argmax(dim=-1) != padded_logits.argmax(dim=-1)).sum())
+
+
+# -- report -----------------------------------------------------------------------------------
+ROWS = (
+    ("steps", "steps"),
+    ("steps with padding", "steps_with_padding"),
+    ("padding rows NaN-filled (per layer)", "padding_rows_nan_filled"),
+    ("MoE outputs non-finite in padding rows (row x layer)", "moe_nonfinite_padding_rows"),
+    ("NaN leaked into real rows", "nan_leaked_real_rows"),
+    ("rows with duplicate expert ids (row x layer)", "duplicate_id_rows"),
+    ("crashes", "crashes"),
+    ("tokens that differ from the unpadded run", "tokens_differ"),
+)
+
+
+def print_report(results: list[SideResult], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("")
+    for r in results:
+        table.add_column(f"{r.side}\n({r.mode})", justify="right")
+    for label, key in ROWS:
+        table.add_row(label, *(str(getattr(r, key)) for r in results))
+    table.add_row("real rows", *(str(r.real_rows) for r in results))
+    table.add_row(
+        "time per step (median ms)",
+        *(f"{r.median_ms:.2f}" if r.median_ms is not None else "-" for r in results),
+    )
+    console = Console()
+    console.print(table)
+    for r in results:
+        if r.health is not None:
+            console.print(f"{r.side} health counters: {r.health}")
+        for error in r.errors[:5]:
+            console.print(f"[yellow]{r.side}: {error}[/yellow]")
+
+
+# -- CLI --------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a few steps on the tiny model (seconds, for CI)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--config", default=None, help="'tiny', 'gpu' or a JSON path (default: by device)")
+    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    parser.add_argument("--steps", type=int, default=None, help="decode steps (default 48, 8 with --quick)")
+    parser.add_argument("--max-batch", type=int, default=None, help="largest batch (default 256 GPU, 24 CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from safemoe.integrations.transformers import patch, set_num_valid
+
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    quick = bool(args.quick)
+    config_name = args.config or ("gpu" if on_gpu and not quick else "tiny")
+    steps = args.steps or (8 if quick else 48)
+    max_batch = args.max_batch or (8 if quick else (256 if on_gpu else 24))
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    config = load_config(config_name, args.layers)
+    stream = make_stream(steps, max_batch, config.vocab_size, args.seed)
+
+    model = build_model(config, device, dtype, args.seed)
+    stock_impl = getattr(model.config, "_experts_implementation", None) or "eager"
+    stock = run_side(f"stock transformers (experts: {stock_impl})", model, stream, max_batch, device)
+
+    # Patching reuses the same weights (no copy): the two sides compute the same function.
+    health = Health(device)
+    patch(model, health=health)
+    patched = run_side(
+        "safemoe",
+        model,
+        stream,
+        max_batch,
+        device,
+        set_model_num_valid=lambda nv: set_num_valid(model, nv),
+        health=health,
+    )
+    results = [stock, patched]
+    title = (
+        f"safemoe demo: {config_name} Qwen3-MoE ({config.num_hidden_layers} layers, E={config.num_experts}, "
+        f"K={config.num_experts_per_tok}, H={config.hidden_size}) on {_device_name(device)}, {str(dtype)[6:]}, "
+        f"{steps} steps, batches 1..{max_batch}"
+    )
+    print_report(results, title)
+    if args.json is not None:
+        payload = {"title": title, "results": [asdict(r) | {"median_ms": r.median_ms} for r in results]}
+        args.json.write_text(json.dumps(payload, indent=2))
+    # The demo fails only if safemoe itself misbehaved; the stock side is recorded, not judged.
+    ok = patched.crashes == 0 and patched.nan_leaked_real_rows == 0 and patched.duplicate_id_rows == 0
+    return 0 if ok else 1
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

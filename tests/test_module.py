@@ -1,0 +1,253 @@
+"""safemoe.MoE against the reference, padding and health behaviour, workspace plumbing, compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, assert_equal
+
+import safemoe
+from safemoe import ops
+from safemoe._checks import NumValid
+from safemoe.health import Health
+from safemoe.module import MoE, fold_expert_biases, folded_hidden
+from safemoe.reference import activation_reference, moe_reference
+
+H, I, E, K = 32, 16, 8, 2
+
+
+def make_moe(**kwargs) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(H, I, E, K, **kwargs)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        if moe.expert_bias:
+            moe.w13[:, :, H + 1 :].zero_()
+            moe.w2[:, H:, :].zero_()
+    return moe
+
+
+def route_kwargs(moe: MoE) -> dict:
+    g = moe.gate
+    return dict(
+        scoring=g.scoring,
+        renormalize=g.renormalize,
+        bias=g.selection_bias,
+        n_group=g.n_group,
+        topk_group=g.topk_group,
+        routed_scaling_factor=g.routed_scaling_factor,
+    )
+
+
+def padded_input(num_tokens: int, num_valid: int) -> torch.Tensor:
+    x = torch.randn(num_tokens, H)
+    x[num_valid:] = math.nan
+    return x
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(renormalize=False, activation="gelu"),
+        dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, selection_bias=True),
+    ],
+)
+@pytest.mark.parametrize("nv_kind", ["none", "int", "tensor"])
+def test_moe_matches_reference(options, nv_kind):
+    moe = make_moe(**options)
+    if moe.gate.selection_bias is not None:
+        moe.gate.selection_bias.normal_(0, 0.5)
+    num_valid = 7
+    x = padded_input(11, num_valid) if nv_kind != "none" else torch.randn(11, H)
+    nv = {"none": None, "int": num_valid, "tensor": torch.tensor(num_valid)}[nv_kind]
+    with torch.no_grad():
+        got = moe(x, num_valid=nv)
+        logits = F.linear(x, moe.gate.weight)
+        count = 11 if nv is None else num_valid
+        want = moe_reference(
+            x, logits, moe.w13, moe.w2, K, activation=moe.activation, num_valid=NumValid(count, None),
+            **route_kwargs(moe),
+        )  # fmt: skip
+    assert_close(got, want, what="MoE vs reference")
+    assert_equal(got[count:], torch.zeros_like(got[count:]), what="padded rows")
+
+
+def test_moe_keeps_leading_dims_and_fp16():
+    moe = make_moe(dtype=torch.float16)
+    x = torch.randn(2, 3, H, dtype=torch.float16)
+    with torch.no_grad():
+        got = moe(x)
+        want = moe_reference(x.reshape(6, H), F.linear(x.reshape(6, H), moe.gate.weight), moe.w13, moe.w2, K)
+    assert got.shape == (2, 3, H) and got.dtype == torch.float16
+    assert_close(got.reshape(6, H), want)
+
+
+def test_shared_expert_with_gate_and_padding():
+    moe = make_moe(shared_intermediate_size=24, shared_expert_gate=True)
+    x = padded_input(9, 5)
+    with torch.no_grad():
+        got = moe(x, num_valid=torch.tensor(5))
+        routed = moe_reference(x, F.linear(x, moe.gate.weight), moe.w13, moe.w2, K, num_valid=NumValid(5, None))
+        s = moe.shared_expert
+        shared = s.down_proj(F.silu(s.gate_proj(x)) * s.up_proj(x)) * torch.sigmoid(moe.shared_expert_gate(x))
+    assert_close(got[:5], routed[:5] + shared[:5])
+    assert_equal(got[5:], torch.zeros_like(got[5:]), what="padded rows (shared expert zeroed)")
+
+
+def slot_reference(x, w13, b13, w2, b2, weights, ids, activation):
+    """Per-slot gated MLP with biases: what gpt-oss computes."""
+    out = torch.zeros_like(x)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            h = w13[e] @ x[t] + b13[e]
+            act = activation_reference(h[:inter], h[inter:], activation)
+            out[t] += weights[t, k] * (w2[e] @ act + b2[e])
+    return out
+
+
+def test_expert_biases_folded():
+    moe = MoE(H, I, E, K, activation="swigluoai", router_bias=True, expert_bias=True)
+    torch.manual_seed(1)
+    w13, b13 = torch.randn(E, 2 * I, H) * 0.3, torch.randn(E, 2 * I)
+    w2, b2 = torch.randn(E, H, I) * 0.3, torch.randn(E, H)
+    moe.load_experts(w13, w2, b13, b2)
+    assert moe.w13.shape == (E, 2 * I, folded_hidden(H)) and folded_hidden(H) % 16 == 0
+    assert_equal(moe.w13_bias, b13)
+    x = padded_input(6, 4)
+    with torch.no_grad():
+        moe.gate.bias.normal_()
+        got = moe(x, num_valid=4)
+        routing = safemoe.route(F.linear(x, moe.gate.weight, moe.gate.bias), K, num_valid=4)
+    want = slot_reference(x[:4], w13, b13, w2, b2, routing.weights[:4], routing.ids[:4], "swigluoai")
+    assert_close(got[:4], want, atol=1e-4, rtol=1e-4)
+    assert_equal(got[4:], torch.zeros_like(got[4:]), what="padded rows")
+
+
+def test_fold_expert_biases_layout():
+    w13, b13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, 2 * I), torch.randn(E, H, I)
+    w13f, w2f = fold_expert_biases(w13, b13, w2)
+    assert_equal(w13f[:, :, :H], w13)
+    assert_equal(w13f[:, :, H], b13)
+    assert (w13f[:, :, H + 1 :] == 0).all() and (w2f[:, H:] == 0).all()
+    assert_equal(w2f[:, :H], w2)
+
+
+def test_health_counts_nonfinite_and_padded_rows():
+    health = Health()
+    moe = make_moe(health=health)
+    assert moe.health is health.tensor
+    x = torch.randn(8, H)
+    x[2, 3] = math.nan  # a valid row with a NaN: its logits are NaN
+    x[6:] = math.nan  # padding
+    with torch.no_grad():
+        out = moe(x, num_valid=torch.tensor(6))
+    assert torch.isfinite(out[[0, 1, 3, 4, 5]]).all()
+    counts = health.read()
+    assert counts == {"nonfinite_rows": 1, "dropped_slots": 0, "padded_rows": 2}
+    with torch.no_grad():
+        moe(x, num_valid=6)
+    assert health.read()["padded_rows"] == 4
+    health.reset()
+    assert health.read() == {"nonfinite_rows": 0, "dropped_slots": 0, "padded_rows": 0}
+    assert "cpu" in repr(health)
+
+
+def test_moe_argument_errors():
+    with pytest.raises(ValueError, match="activation"):
+        MoE(H, I, E, K, activation="relu")
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        MoE(H, I, E, K, shared_expert_gate=True)
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(H, I, E, E + 1)
+    with pytest.raises(ValueError, match="n_group"):
+        MoE(H, I, E, K, n_group=3, topk_group=1)
+    with pytest.raises(ValueError, match="backend"):
+        MoE(H, I, E, K, backend="cuda")
+    with pytest.raises(ValueError, match="H=32"):
+        make_moe()(torch.randn(3, H + 1))
+    with pytest.raises(ValueError, match="expert_bias=False"):
+        make_moe().load_experts(torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I))
+
+
+class FakeWorkspace:
+    """Stands in for safemoe.Workspace where only the plumbing is tested."""
+
+
+def test_layers_share_one_workspace(monkeypatch):
+    ws = getattr(safemoe, "Workspace", None)
+    workspace = FakeWorkspace() if ws is None else None
+    if workspace is None:
+        workspace = ws(max_tokens=16, num_experts=E, top_k=K, hidden=H, inter=I, dtype=torch.float32, device="cpu")
+    layers = [make_moe(workspace=workspace) for _ in range(4)]
+    seen = []
+
+    def recording_experts(x, w13, w2, routing, *, workspace=None, **kwargs):
+        seen.append(workspace)
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(ops, "_experts_public", recording_experts)
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        for layer in layers:
+            layer(x)
+    assert len(seen) == 4 and all(s is workspace for s in seen)
+    assert all(ops.lookup_workspace(layer._workspace_id) is workspace for layer in layers)
+    assert all(layer.workspace is workspace for layer in layers)
+
+
+def test_workspace_not_passed_when_experts_lacks_it(monkeypatch):
+    def old_experts(x, w13, w2, routing, **kwargs):
+        assert "workspace" not in kwargs
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(ops, "_experts_public", old_experts)
+    with torch.no_grad():
+        make_moe(workspace=FakeWorkspace())(torch.randn(3, H))
+
+
+@pytest.mark.skipif(not hasattr(safemoe, "workspace_bytes"), reason="safemoe.workspace_bytes not built yet")
+def test_workspace_bytes_matches_allocation():
+    args = dict(max_tokens=64, num_experts=E, top_k=K, hidden=H, inter=I, dtype=torch.float16)
+    ws = safemoe.Workspace(**args, device="cpu")
+    assert ws.nbytes == safemoe.workspace_bytes(**args)
+
+
+def test_torch_compile_fullgraph_cpu():
+    moe = make_moe(shared_intermediate_size=24, shared_expert_gate=True, health=Health())
+    x = padded_input(10, 6)
+    with torch.no_grad():
+        eager = moe(x, num_valid=torch.tensor(6))
+        compiled = torch.compile(moe, fullgraph=True)
+        got = compiled(x, num_valid=torch.tensor(6))
+        assert_equal(got, eager)
+        again = compiled(x, num_valid=torch.tensor(3))  # a new count, same graph
+    assert_equal(again[3:], torch.zeros_like(again[3:]))
+    assert moe.health is not None and int(moe.health[2]) == 4 + 4 + 7
+
+
+def _triton_kernels_built() -> bool:
+    try:
+        import safemoe.kernels.experts  # noqa: F401
+        import safemoe.kernels.router  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _triton_kernels_built(), reason="Triton router/expert kernels not built yet")
+def test_moe_triton_backend_interpreter():
+    moe = make_moe(backend="triton", dtype=torch.float16)
+    x = padded_input(6, 4).half()
+    with torch.no_grad():
+        got = moe(x, num_valid=torch.tensor(4))
+        want = make_moe(backend="reference", dtype=torch.float16)(x, num_valid=4)
+    assert_close(got, want)
