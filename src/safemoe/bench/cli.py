@@ -16,10 +16,14 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from safemoe.bench import SUITES, load_suite
+
+if TYPE_CHECKING:
+    from safemoe.bench.harness import DeviceCeilings
 
 NO_GPU_MESSAGE = "GPU timings need a CUDA GPU; nothing timed (this machine has no CUDA device)."
 
@@ -80,7 +84,7 @@ def _heading(text: str) -> None:
     Console().rule(text)
 
 
-def run_suite(name: str, ceilings: object, out_dir: Path, *, quick: bool) -> str:
+def run_suite(name: str, ceilings: DeviceCeilings, out_dir: Path, *, quick: bool) -> str:
     """Run one suite in this process; returns its status ('ok', 'not built yet', 'failed: ...')."""
     from safemoe.bench.harness import plot_pct_of_floor, write_results
 
@@ -94,11 +98,15 @@ def run_suite(name: str, ceilings: object, out_dir: Path, *, quick: bool) -> str
         return "not built yet"
     try:
         rows = module.run(ceilings, quick=quick)
-        write_results(rows, out_dir, name, ceilings)  # type: ignore[arg-type]
+        write_results(rows, out_dir, name, ceilings)
         if hasattr(module, "plot"):
             module.plot(rows, out_dir)
         else:
-            plot_pct_of_floor(rows, out_dir / f"{name}.png", title=f"safemoe bench {name}")
+            plot_pct_of_floor(
+                rows,
+                out_dir / f"{name}.png",
+                title=f"safemoe bench {name} on {ceilings.name}",
+            )
     except Exception as exc:
         traceback.print_exc()
         return f"failed: {type(exc).__name__}: {str(exc)[:300]}"
@@ -160,12 +168,14 @@ def run(args: argparse.Namespace) -> int:
         ceilings_path.write_text(
             json.dumps({**run_info(), "ceilings": ceilings.to_dict()}, indent=1, default=str) + "\n"
         )
-    print(f"ceilings: {ceilings.summary()}", flush=True)
+    if not args.child:
+        print(f"ceilings: {ceilings.summary()}", flush=True)
 
     isolate = not args.child and (args.isolate if args.isolate is not None else len(names) > 1)
     statuses: dict[str, dict[str, object]] = {}
     for index, name in enumerate(names, 1):
-        _heading(f"suite {name} ({index}/{len(names)})")
+        if not args.child:
+            _heading(f"suite {name} ({index}/{len(names)})")
         start = time.monotonic()
         if isolate:
             status = _run_isolated(name, args, ceilings_path)

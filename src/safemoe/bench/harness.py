@@ -596,14 +596,25 @@ def plot_pct_of_floor(rows: list[BenchRow], path: Path, title: str) -> Path | No
         print(f"plot skipped ({path.name}): no row has both a time and a floor")
         return None
     several_variants = len({r.variant for r in points}) > 1
-    lines: dict[str, list[tuple[int, float]]] = {}
+    lines: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
     for r in points:
-        label = f"{r.case} {r.impl}" + (f" [{r.variant}]" if several_variants else "")
-        lines.setdefault(label, []).append((r.tokens, float(r.pct_of_floor or 0.0)))
+        lines.setdefault((r.impl, r.case, r.variant), []).append((r.tokens, float(r.pct_of_floor or 0.0)))
+    # One colour per implementation, one line style per case, so peers compare at a glance.
+    impls = sorted({key[0] for key in lines})
+    cases = sorted({key[1] for key in lines})
+    styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for label, xy in sorted(lines.items()):
+    for (impl, case, variant), xy in sorted(lines.items()):
         xy.sort()
-        ax.plot([max(x, 1) for x, _ in xy], [y for _, y in xy], marker="o", label=label)
+        label = f"{case} {impl}" + (f" [{variant}]" if several_variants else "")
+        ax.plot(
+            [max(x, 1) for x, _ in xy],
+            [y for _, y in xy],
+            marker="o",
+            label=label,
+            color=f"C{impls.index(impl) % 10}",
+            linestyle=styles[cases.index(case) % len(styles)],
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens T")
     ax.set_ylabel("% of floor (100 = at the physical floor)")
