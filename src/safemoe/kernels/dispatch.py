@@ -11,11 +11,14 @@ inside one expert):
   owns positions [BLOCK_M * (block_end[e-1]), BLOCK_M * block_end[e]): its served slots first (in
   an unspecified order: positions come from atomics), then -1 in the padding positions. Positions
   at or past num_blocks * BLOCK_M are not written and must not be read.
-- Two launches whatever T is (one when a single chunk covers every slot): `count` histograms each
-  chunk of slots into `counts` with atomics; the last program to finish (an acq_rel ticket) turns
-  the counts into the padded layout, writes the -1 padding and cursor[e] = first position of e,
-  and puts `counts` and the ticket back to zero, so a workspace needs no clearing between calls.
-  `scatter` then gives each served slot `pos = atomic_add(cursor[e], 1)`. Grids depend on T only;
+- Two launches whatever T is, one when a single chunk covers every slot (T*K <= 4096): `count`
+  histograms each chunk of slots into `counts` with atomics; the last program to finish (an
+  acq_rel ticket) turns the counts into the padded layout, writes the -1 padding and cursor[e] =
+  first position of e, and puts `counts` and the ticket back to zero, so a workspace needs no
+  clearing between calls. `scatter` then gives each served slot `pos = atomic_add(cursor[e], 1)`.
+  With a single chunk the one program does all of it, from its own histogram, in one launch: the
+  same steps, minus the counters and the ticket (one launch and two dependent atomic round trips
+  fewer at decode, where they are a visible share of the time). Grids depend on T only;
   programs past the last chunk holding a slot of a valid row return at once, so the work scales
   with num_valid, which may be a device tensor (read on the device, clamped to [0, T]).
 """
@@ -49,14 +52,38 @@ def _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PT
 
 
 @triton.jit
-def _scatter_chunk(ids_ptr, slots, num_served_rows_slots, num_experts, cursor_ptr, sorted_slots_ptr):
-    """Give each served slot of this chunk a position in its expert's range."""
-    in_rows = slots < num_served_rows_slots
+def _load_chunk(ids_ptr, slots, valid_slots, num_experts):
+    """(expert, served, in_rows) of these slots; ids past the valid rows are not read."""
+    in_rows = slots < valid_slots
     expert = tl.load(ids_ptr + slots, mask=in_rows, other=-1)
     served = in_rows & (expert >= 0) & (expert < num_experts)
-    expert = tl.where(served, expert, 0)
-    pos = tl.atomic_add(cursor_ptr + expert, 1, mask=served, sem="relaxed")
+    return expert, served, in_rows
+
+
+@triton.jit
+def _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr):
+    """Give each served slot a position in its expert's range (cursor[e] advances by one each)."""
+    pos = tl.atomic_add(cursor_ptr + tl.where(served, expert, 0), 1, mask=served, sem="relaxed")
     tl.store(sorted_slots_ptr + pos, slots, mask=served)
+
+
+@triton.jit
+def _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr, sorted_slots_ptr,
+                  BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, FILL: tl.constexpr):
+    """From per-expert counts: block ends, used M-blocks, cursor = first position, -1 padding."""
+    counts = tl.where(bins < num_experts, counts, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    start = (block_end - blocks) * BLOCK_M
+    tl.store(block_end_ptr + bins, block_end, mask=bins < num_experts)
+    tl.store(cursor_ptr + bins, start, mask=bins < num_experts)
+    tl.store(num_blocks_ptr, tl.sum(blocks, 0))
+    for j0 in tl.static_range(0, BLOCK_M, FILL):
+        j = j0 + tl.arange(0, FILL)
+        fill = counts[:, None] + j[None, :]  # position inside the expert's range
+        pad = (bins[:, None] < num_experts) & (fill < (blocks * BLOCK_M)[:, None])
+        sentinel = tl.full((NUM_BINS, FILL), -1, tl.int32)
+        tl.store(sorted_slots_ptr + start[:, None] + fill, sentinel, mask=pad)
 
 
 @triton.jit
@@ -67,10 +94,10 @@ def _count_kernel(
     # workspace
     counts_ptr,  # [NUM_BINS] int32, zero on entry and on exit
     ticket_ptr,  # [1] int32, zero on entry and on exit
-    cursor_ptr,  # [E] int32 out: first position of each expert
+    cursor_ptr,  # [E] int32 out: first position of each expert (next free one if SINGLE)
     block_end_ptr,  # [E] int32 out: inclusive prefix sum of M-blocks per expert
     num_blocks_ptr,  # [1] int32 out: M-blocks in use
-    sorted_slots_ptr,  # [capacity] int32 out: -1 written into padding positions (and slots if FUSE_SCATTER)
+    sorted_slots_ptr,  # [capacity] int32 out: -1 in padding positions (and the slots if SINGLE)
     health_ptr,  # [8] int64 (if HAS_HEALTH)
     # shapes
     num_valid_count,
@@ -84,51 +111,47 @@ def _count_kernel(
     FILL: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr,
     HAS_HEALTH: tl.constexpr,
-    FUSE_SCATTER: tl.constexpr,
+    SINGLE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     valid_slots = num_valid * TOP_K
     slots = pid * CHUNK + tl.arange(0, CHUNK)
     bins = tl.arange(0, NUM_BINS)
-    if pid * CHUNK < valid_slots:
-        in_rows = slots < valid_slots
-        expert = tl.load(ids_ptr + slots, mask=in_rows, other=-1)
-        served = in_rows & (expert >= 0) & (expert < num_experts)
-        # Slots that are not served land in bin E, which is never added.
-        hist = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
-        tl.atomic_add(counts_ptr + bins, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
+    if SINGLE:
+        # One program holds every slot: the histogram in registers is the whole count, so no
+        # counter or ticket is touched; count, scan and scatter run back to back in this launch.
+        expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
+        # Slots that are not served land in bin E, which is dropped.
+        counts = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
+        _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr, sorted_slots_ptr,
+                      BLOCK_M, NUM_BINS, FILL)
         if HAS_HEALTH:
-            dropped = tl.sum((in_rows & ~served).to(tl.int64))
-            tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
-    # Every thread's count atomics are ordered before the ticket by this barrier and the ticket's
-    # release; the last program's acquire then sees all of them.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) - 1:
-        # Read-and-reset at L2 (never a stale L1 line): the counters are zero again for the next call.
-        counts = tl.atomic_xchg(counts_ptr + bins, 0, mask=bins < num_experts, sem="relaxed")
-        counts = tl.where(bins < num_experts, counts, 0)
-        blocks = (counts + BLOCK_M - 1) // BLOCK_M
-        block_end = tl.cumsum(blocks, 0)
-        start = (block_end - blocks) * BLOCK_M
-        tl.store(block_end_ptr + bins, block_end, mask=bins < num_experts)
-        tl.store(cursor_ptr + bins, start, mask=bins < num_experts)
-        tl.store(num_blocks_ptr, tl.sum(blocks, 0))
-        for j0 in tl.static_range(0, BLOCK_M, FILL):
-            j = j0 + tl.arange(0, FILL)
-            fill = counts[:, None] + j[None, :]  # position inside the expert's range
-            pad = (bins[:, None] < num_experts) & (fill < (blocks * BLOCK_M)[:, None])
-            sentinel = tl.full((NUM_BINS, FILL), -1, tl.int32)
-            tl.store(sorted_slots_ptr + start[:, None] + fill, sentinel, mask=pad)
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
-        if FUSE_SCATTER:
-            # The only program: scatter its own chunk now that cursor holds the starts.
-            tl.debug_barrier()
-            _scatter_chunk(ids_ptr, slots, valid_slots, num_experts, cursor_ptr, sorted_slots_ptr)
+            tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
+        # cursor was stored by other threads of this program: order those stores before the atomics.
+        tl.debug_barrier()
+        _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
+    else:
+        if pid * CHUNK < valid_slots:
+            expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
+            hist = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
+            tl.atomic_add(counts_ptr + bins, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
+            if HAS_HEALTH:
+                tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
+        # Every thread's count atomics are ordered before the ticket by this barrier and the
+        # ticket's release; the last program's acquire then sees all of them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            # Read-and-reset at L2 (never a stale L1 line): counters are zero again for the next call.
+            counts = tl.atomic_xchg(counts_ptr + bins, 0, mask=bins < num_experts, sem="relaxed")
+            _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr,
+                          sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL)
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
 
 
 @triton.jit
@@ -147,12 +170,14 @@ def _scatter_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     valid_slots = num_valid * TOP_K
     if pid * CHUNK < valid_slots:
         slots = pid * CHUNK + tl.arange(0, CHUNK)
-        _scatter_chunk(ids_ptr, slots, valid_slots, num_experts, cursor_ptr, sorted_slots_ptr)
+        expert, served, _ = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
+        _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
 
 
 def pdl_supported() -> bool:
@@ -186,21 +211,23 @@ def dispatch_into(
     if slots >= 2**31 or capacity(num_tokens, num_experts, top_k) >= 2**31:
         raise ValueError(f"T*K = {slots} slots are past int32 indexing; split the batch")
     grid = triton.cdiv(slots, CHUNK)
+    single = grid == 1
+    # A single program takes just the (power-of-two) slots there are: less to histogram at decode.
+    chunk = max(16, triton.next_power_of_2(slots)) if single else CHUNK
     has_nv_ptr = num_valid.tensor is not None
     nv_ptr = num_valid.tensor if has_nv_ptr else ids
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
-    fuse = grid == 1
     # grid: one program per CHUNK slots of [T * K]
     _count_kernel[(grid,)](
         ids, nv_ptr,
         views.counts, views.ticket, views.cursor, views.block_end, views.num_blocks, views.sorted_slots,
         health if health is not None else ids,
         nv_count, num_tokens, num_experts, top_k,
-        BLOCK_M=block_m, CHUNK=CHUNK, NUM_BINS=num_bins(num_experts), FILL=min(block_m, _PADDING_FILL),
-        HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, FUSE_SCATTER=fuse, USE_PDL=use_pdl,
+        BLOCK_M=block_m, CHUNK=chunk, NUM_BINS=num_bins(num_experts), FILL=min(block_m, _PADDING_FILL),
+        HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, SINGLE=single, USE_PDL=use_pdl,
         num_warps=4, **launch_options(use_pdl),
     )
-    if not fuse:
+    if not single:
         _scatter_kernel[(grid,)](
             ids, nv_ptr, views.cursor, views.sorted_slots,
             nv_count, num_tokens, num_experts, top_k,

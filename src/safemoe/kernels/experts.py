@@ -97,6 +97,7 @@ def _gemm1_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     num_m_blocks = tl.load(num_blocks_ptr)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     bins = tl.arange(0, NUM_BINS)
@@ -165,6 +166,7 @@ def _gemm2_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     num_m_blocks = tl.load(num_blocks_ptr)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     bins = tl.arange(0, NUM_BINS)

@@ -1,0 +1,479 @@
+"""Tune the expert kernels' tiles on this GPU; write the winners as `src/safemoe/configs/<device>.json`.
+
+Run from the repository root on a CUDA machine:
+
+    PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR [--shapes qwen3,mixtral]
+        [--tokens 1,8,64] [--jobs 12] [--budget-s 240] [--write] [--breakdown]
+
+How it searches (per model shape and token bucket T):
+1. Candidates: for each BLOCK_M that suits T's rows per expert, GEMM1 tiles with a base GEMM2, and
+   GEMM2 tiles with a base GEMM1 (coordinate descent: the GEMMs are separate kernels, so GEMM1's
+   time barely depends on GEMM2's tiles).
+2. Every kernel variant is compiled first by `--jobs` worker processes in parallel (each runs the
+   whole op once with num_valid = 0, so nothing is read from the stand-in weights); the timing
+   process then finds them in Triton's on-disk cache.
+3. Timing: `safemoe.bench.harness.time_graph`, the whole `experts_triton` call (dispatch, GEMM1,
+   GEMM2, combine) under CUDA-graph replay, rotating 4 routing sets (uniform random routing) so
+   weights come from HBM, num_valid as a device tensor (as in a captured model).
+   GEMM1 candidates are timed with the base GEMM2, then GEMM2 candidates with the best GEMM1, per
+   BLOCK_M; the fastest overall wins. Programmatic dependent launch is tried on the winner.
+Results: OUT_DIR/tune_<device>.json (winners, with their times and every timing in `log`) and,
+with --write, merged into src/safemoe/configs/<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from safemoe.configs import ExpertsConfig, GemmTiles, device_file, shape_key, token_bucket  # noqa: E402
+
+# (E, K, H, I)
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "qwen3": (128, 8, 2048, 768),
+    "mixtral": (8, 2, 4096, 14336),
+    "gptoss": (128, 4, 2880, 2880),
+    "deepseek": (256, 8, 7168, 2048),
+}
+DEFAULT_TOKENS = {
+    "qwen3": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+    "mixtral": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+    "gptoss": (1, 8, 64, 256, 1024, 4096, 8192),
+    "deepseek": (1, 8, 64, 256, 1024, 4096, 8192),
+}
+QUICK_TOKENS = {
+    "qwen3": (1, 8, 64, 256, 2048, 8192),
+    "mixtral": (1, 8, 64, 256, 2048, 8192),
+    "gptoss": (1, 64, 1024, 8192),
+    "deepseek": (1, 64, 1024, 8192),
+}
+N_VARIANTS = 4
+PDL_MAX_TOKENS = 256  # PDL only matters where launch latency is a visible share
+
+Tiles = tuple[int, int, int, int]  # (block_n, block_k, num_warps, num_stages)
+
+# Decode (<= 16 rows per expert): the GEMMs stream weights; narrow N tiles give many programs and
+# long K tiles keep bytes in flight.
+DECODE_G1: list[Tiles] = [
+    (16, 256, 4, 4),
+    (32, 128, 4, 4),
+    (32, 256, 4, 3),
+    (32, 128, 4, 6),
+    (64, 128, 4, 4),
+    (64, 64, 4, 6),
+    (64, 256, 8, 3),
+]
+DECODE_G2: list[Tiles] = [
+    (32, 128, 4, 4),
+    (64, 128, 4, 4),
+    (64, 256, 4, 3),
+    (128, 64, 4, 4),
+    (128, 128, 8, 3),
+    (32, 256, 4, 4),
+    (64, 64, 4, 6),
+]
+MID_G1: list[Tiles] = [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3)]
+MID_G2: list[Tiles] = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
+PREFILL_G1: list[Tiles] = [
+    (64, 64, 4, 4),
+    (64, 64, 8, 4),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 32, 8, 4),
+    (64, 128, 8, 3),
+]
+PREFILL_G2: list[Tiles] = [
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (256, 64, 8, 3),
+    (128, 128, 8, 3),
+    (64, 64, 4, 4),
+    (256, 32, 8, 4),
+]
+
+
+def regimes(num_tokens: int, num_experts: int, top_k: int) -> list[tuple[int, list[Tiles], list[Tiles], int]]:
+    """(block_m, GEMM1 candidates, GEMM2 candidates, group_m) worth trying at this T."""
+    rows = token_bucket(num_tokens) * top_k / num_experts
+    if rows <= 8:
+        return [(16, DECODE_G1, DECODE_G2, 1)]
+    if rows <= 24:
+        return [(16, DECODE_G1, DECODE_G2, 1), (32, MID_G1, MID_G2, 4)]
+    if rows <= 96:
+        return [(32, MID_G1, MID_G2, 4), (64, MID_G1, MID_G2, 8)]
+    if rows <= 192:
+        return [(64, PREFILL_G1, PREFILL_G2, 8), (128, PREFILL_G1, PREFILL_G2, 8)]
+    return [(128, PREFILL_G1, PREFILL_G2, 8), (64, PREFILL_G1, PREFILL_G2, 8)]
+
+
+def _tiles(t: Tiles, group_m: int) -> GemmTiles:
+    return GemmTiles(block_n=t[0], block_k=t[1], group_m=group_m, num_warps=t[2], num_stages=t[3])
+
+
+def candidate_plan(num_tokens: int, num_experts: int, top_k: int) -> list[tuple[int, ExpertsConfig, str]]:
+    """(regime index, config, which sweep) for every config timed at this T; the first GEMM1 and
+    GEMM2 of each list are the base tiles."""
+    plan = []
+    for index, (block_m, g1s, g2s, group_m) in enumerate(regimes(num_tokens, num_experts, top_k)):
+        base1, base2 = _tiles(g1s[0], group_m), _tiles(g2s[0], group_m)
+        for t in g1s:
+            plan.append((index, ExpertsConfig(block_m, _tiles(t, group_m), base2), "gemm1"))
+        for t in g2s[1:]:
+            plan.append((index, ExpertsConfig(block_m, base1, _tiles(t, group_m)), "gemm2"))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel compilation
+# ---------------------------------------------------------------------------------------------
+
+
+def _compile_task(task: tuple[str, int, list[dict[str, Any]]]) -> list[str]:
+    """Run the op once per config with num_valid = 0 (no weight is read) to fill Triton's cache."""
+    name, num_tokens, configs = task
+    from safemoe._checks import NumValid
+    from safemoe.kernels.experts import experts_triton
+    from safemoe.workspace import Workspace
+
+    num_experts, top_k, hidden, inter = SHAPES[name]
+    device = torch.device("cuda", 0)
+    dtype = torch.bfloat16
+    # Stand-in weights: one element broadcast to the real shape (strides 0). With num_valid = 0 no
+    # M-block exists, so the GEMMs load nothing; shapes (and so specialisations) are the real ones.
+    one = torch.zeros(1, dtype=dtype, device=device)
+    w13 = one.expand(num_experts, 2 * inter, hidden)
+    w2 = one.expand(num_experts, hidden, inter)
+    x = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
+    ids = torch.zeros(num_tokens, top_k, dtype=torch.int32, device=device)
+    weights = torch.zeros(num_tokens, top_k, dtype=torch.float32, device=device)
+    nv = NumValid(None, torch.zeros((), dtype=torch.int32, device=device))
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, dtype, device)
+    failures = []
+    for data in configs:
+        cfg = ExpertsConfig.from_json(data)
+        try:
+            experts_triton(
+                x,
+                w13,
+                w2,
+                weights,
+                ids,
+                activation="silu",
+                num_valid=nv,
+                health=None,
+                workspace=ws,
+                config=cfg,
+            )
+            torch.cuda.synchronize()
+        except Exception as exc:  # out of shared memory, unsupported layout...
+            failures.append(
+                f"{name} T={num_tokens} {json.dumps(data)}: {type(exc).__name__}: {str(exc)[:200]}"
+            )
+    return failures
+
+
+def compile_tasks(
+    names: list[str], tokens_of: dict[str, tuple[int, ...]]
+) -> list[tuple[str, int, list[dict]]]:
+    """Each distinct GEMM variant once (at the first T that times it), 3 configs a task; then one
+    config per (shape, T, BLOCK_M) for the small kernels specialised on T (count, scatter, combine)."""
+    gemm_tasks, small_tasks = [], []
+    for name in names:
+        num_experts, top_k, _, _ = SHAPES[name]
+        seen: set[str] = set()
+        for num_tokens in tokens_of[name]:
+            plan = candidate_plan(num_tokens, num_experts, top_k)
+            fresh = []
+            for _, cfg, _ in plan:
+                key = json.dumps(cfg.to_json(), sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    fresh.append(cfg.to_json())
+            if num_tokens <= PDL_MAX_TOKENS and plan:
+                fresh.append(dict(plan[0][1].to_json(), pdl=True))
+            for i in range(0, len(fresh), 3):
+                gemm_tasks.append((name, num_tokens, fresh[i : i + 3]))
+            firsts = {}
+            for index, cfg, _ in plan:
+                firsts.setdefault(index, cfg.to_json())
+            small_tasks.append((name, num_tokens, list(firsts.values())))
+    return gemm_tasks + small_tasks
+
+
+def precompile(tasks: list[tuple[str, int, list[dict[str, Any]]]], jobs: int) -> list[str]:
+    if not tasks:
+        return []
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(processes=min(jobs, len(tasks))) as pool:
+        results = pool.map(_compile_task, tasks, chunksize=1)
+    return [line for failures in results for line in failures]
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+class Case:
+    """Weights of one model shape plus N_VARIANTS routing sets at one T, and a workspace."""
+
+    def __init__(
+        self, name: str, w13: torch.Tensor, w2: torch.Tensor, num_tokens: int, seed: int = 0
+    ) -> None:
+        from safemoe._checks import NumValid
+        from safemoe.workspace import Workspace
+
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        device = w13.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.name, self.num_tokens, self.w13, self.w2 = name, num_tokens, w13, w2
+        self.xs = [
+            torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+            for _ in range(N_VARIANTS)
+        ]
+        self.ids, self.weights = [], []
+        for _ in range(N_VARIANTS):
+            scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
+            self.ids.append(torch.topk(scores, top_k, dim=1).indices.to(torch.int32))
+            self.weights.append(torch.rand(num_tokens, top_k, device=device, generator=gen))
+        self.outs = [torch.empty_like(x) for x in self.xs]
+        self.nv = NumValid(None, torch.tensor(num_tokens, dtype=torch.int32, device=device))
+        self.ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
+        # A rough time per call (3 TB/s for the weights touched, 400 TFLOP/s) to size the timing loops.
+        touched = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+        self.est_us = max(
+            touched * 3 * hidden * inter * 2 / 3e12, 6 * num_tokens * top_k * hidden * inter / 4e14
+        )
+        self.est_us = self.est_us * 1e6 + 10
+
+    def step(self, cfg: ExpertsConfig, stages: str = "all"):
+        from safemoe.kernels.combine import combine_into
+        from safemoe.kernels.dispatch import dispatch_into
+        from safemoe.kernels.experts import experts_triton, gemm1_into, gemm2_into
+
+        num_experts, top_k, hidden, inter = SHAPES[self.name]
+
+        def run(j: int) -> None:
+            if stages == "all":
+                experts_triton(
+                    self.xs[j],
+                    self.w13,
+                    self.w2,
+                    self.weights[j],
+                    self.ids[j],
+                    activation="silu",
+                    num_valid=self.nv,
+                    health=None,
+                    workspace=self.ws,
+                    out=self.outs[j],
+                    config=cfg,
+                )
+                return
+            views = self.ws.views(self.num_tokens, num_experts, top_k, hidden, inter)
+            dispatch_into(self.ids[j], num_experts, self.nv, cfg.block_m, views, None)
+            if stages == "dispatch":
+                return
+            gemm1_into(self.xs[j], self.w13, views, top_k, "silu", cfg)
+            if stages == "gemm1":
+                return
+            gemm2_into(self.w2, self.weights[j], views, self.num_tokens, top_k, cfg)
+            if stages == "gemm2":
+                return
+            combine_into(views.y, self.ids[j], num_experts, self.nv, self.outs[j])
+
+        return run
+
+    def time(self, cfg: ExpertsConfig, stages: str = "all", est_us: float | None = None) -> float:
+        from safemoe.bench.harness import time_graph
+
+        est = est_us or self.est_us
+        calls = int(min(20, max(2, 20000 / est)))
+        replays = int(min(20, max(3, 300000 / (est * calls))))
+        return time_graph(
+            self.step(cfg, stages), n_variants=N_VARIANTS, calls_per_graph=calls, replays=replays, warmup=2
+        )
+
+
+def make_weights(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    num_experts, _, hidden, inter = SHAPES[name]
+    gen = torch.Generator(device=device).manual_seed(1234)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    w13.mul_(hidden**-0.5)
+    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
+    w2.mul_(inter**-0.5)
+    return w13, w2
+
+
+def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[ExpertsConfig, float] | None:
+    num_experts, top_k, _, _ = SHAPES[case.name]
+    best: tuple[ExpertsConfig, float] | None = None
+    est: float | None = None
+    for index, (block_m, g1s, g2s, group_m) in enumerate(regimes(case.num_tokens, num_experts, top_k)):
+        base2 = _tiles(g2s[0], group_m)
+        best1: tuple[GemmTiles, float] | None = None
+        for t in g1s:
+            if time.time() > deadline:
+                break
+            cfg = ExpertsConfig(block_m, _tiles(t, group_m), base2)
+            us = _timed(case, cfg, log, "gemm1", est)
+            if us is not None:
+                est = us if est is None else min(est, us)
+                if best1 is None or us < best1[1]:
+                    best1 = (cfg.gemm1, us)
+        if best1 is None:
+            continue
+        best_here = (ExpertsConfig(block_m, best1[0], base2), best1[1])
+        for t in g2s[1:]:
+            if time.time() > deadline:
+                break
+            cfg = ExpertsConfig(block_m, best1[0], _tiles(t, group_m))
+            us = _timed(case, cfg, log, "gemm2", est)
+            if us is not None and us < best_here[1]:
+                best_here = (cfg, us)
+        if best is None or best_here[1] < best[1]:
+            best = best_here
+        del index
+    if best is not None and case.num_tokens <= PDL_MAX_TOKENS and time.time() < deadline:
+        from safemoe.kernels.dispatch import pdl_supported
+
+        if pdl_supported():
+            cfg = replace(best[0], pdl=True)
+            us = _timed(case, cfg, log, "pdl", est)
+            if us is not None and us < best[1]:
+                best = (cfg, us)
+    return best
+
+
+def _timed(
+    case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]], sweep: str, est: float | None
+) -> float | None:
+    entry: dict[str, Any] = {
+        "shape": case.name,
+        "T": case.num_tokens,
+        "sweep": sweep,
+        "config": cfg.to_json(),
+    }
+    try:
+        entry["us"] = round(case.time(cfg, est_us=est), 3)
+    except Exception as exc:
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        torch.cuda.synchronize()
+    log.append(entry)
+    return entry.get("us")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
+    parser.add_argument("--tokens", default="", help="comma-separated T values (default: per shape)")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop timing new configs after this")
+    parser.add_argument(
+        "--write", action="store_true", help="merge winners into src/safemoe/configs/<device>.json"
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="time dispatch/GEMM1/GEMM2/combine of winners"
+    )
+    parser.add_argument("--no-precompile", action="store_true")
+    parser.add_argument("--precompile-only", action="store_true", help="fill Triton's cache, time nothing")
+    parser.add_argument("--quick", action="store_true", help="fewer token counts per shape")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_experts needs a CUDA GPU")
+        return 0
+    start = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.shapes.split(",") if n]
+    defaults = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
+    tokens_of = {
+        n: tuple(int(t) for t in args.tokens.split(",")) if args.tokens else defaults[n] for n in names
+    }
+
+    tasks = compile_tasks(names, tokens_of)
+    failures = [] if args.no_precompile else precompile(tasks, args.jobs)
+    print(f"precompiled {len(tasks)} tasks in {time.time() - start:.0f} s; {len(failures)} configs failed")
+    for line in failures[:20]:
+        print("  ", line)
+    if args.precompile_only:
+        return 0
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    device_name = torch.cuda.get_device_name(device)
+    deadline = time.time() + args.budget_s
+    log: list[dict[str, Any]] = []
+    winners: dict[str, dict[str, Any]] = {}
+    breakdown: list[dict[str, Any]] = []
+    for name in names:
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+        w13, w2 = make_weights(name, device)
+        for num_tokens in tokens_of[name]:
+            if time.time() > deadline:
+                print(f"budget spent: {name} T={num_tokens} and later not tuned")
+                break
+            case = Case(name, w13, w2, num_tokens)
+            best = tune_case(case, log, deadline)
+            if best is None:
+                continue
+            cfg, us = best
+            data = cfg.to_json()
+            data["us"] = round(us, 2)
+            winners.setdefault(key, {})[str(token_bucket(num_tokens))] = data
+            print(f"{name:9s} T={num_tokens:6d} {us:10.1f} us  {json.dumps(cfg.to_json())}", flush=True)
+            if args.breakdown and num_tokens in (1, 64, 1024, 8192):
+                parts = {
+                    s: round(case.time(cfg, s, est_us=us), 2) for s in ("dispatch", "gemm1", "gemm2", "all")
+                }
+                breakdown.append({"shape": name, "T": num_tokens, **parts})
+                print(f"          breakdown (cumulative us): {parts}", flush=True)
+            del case
+        del w13, w2
+        torch.cuda.empty_cache()
+
+    import triton
+
+    payload = {
+        "device": device_name,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "method": "scripts/tune_experts.py: whole experts_triton call under CUDA-graph replay, 4 rotating "
+        "uniform routing sets, bf16, num_valid as a device tensor",
+        "configs": winners,
+    }
+    tag = device_name.replace(" ", "_")
+    (args.out / f"tune_{tag}.json").write_text(
+        json.dumps({**payload, "breakdown": breakdown, "log": log}, indent=1) + "\n"
+    )
+    if args.write:
+        path = device_file(device_name)
+        existing = json.loads(path.read_text()) if path.exists() else {"configs": {}}
+        merged = existing.get("configs", {})
+        for key, buckets in winners.items():
+            merged.setdefault(key, {}).update(buckets)
+        payload["configs"] = merged
+        path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+        print(f"wrote {path}")
+    print(f"tuned {len(log)} timings in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
