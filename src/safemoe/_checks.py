@@ -16,6 +16,7 @@ SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "swigluoai")
 BACKENDS = ("auto", "reference", "triton")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FLT_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,12 @@ def check_route_args(
             )
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
         raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
-    if not math.isfinite(routed_scaling_factor):
-        raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
+    # Weights are finite and >= 0 by contract; routed weights are <= 1 before scaling, so a
+    # factor in [0, FLT_MAX] keeps them so.
+    if not (math.isfinite(routed_scaling_factor) and 0.0 <= routed_scaling_factor <= _FLT_MAX):
+        raise ValueError(
+            f"routed_scaling_factor must be finite, >= 0 and within float32 range, got {routed_scaling_factor}"
+        )
     return RouteArgs(
         top_k=top_k,
         scoring=str(scoring),

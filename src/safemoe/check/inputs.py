@@ -1,0 +1,177 @@
+"""Seeded inputs for the checks: adversarial router rows, routing modes, expert weights, stale ids.
+
+Everything is generated on the CPU from the case's generator (so a seed reproduces the same
+tensors on any device) and moved to the device under test afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STALE_ID = 123456789  # left in a torch.empty ids buffer in vLLM #41834
+
+# Router row kinds. Non-finite kinds are what padded rows of a CUDA-graph batch carry into the
+# router in production (vLLM #39244, #37758): attention over empty slots yields NaN.
+ROW_KINDS = (
+    "all_nan",
+    "all_pos_inf",
+    "all_neg_inf",
+    "mixed_nonfinite",
+    "one_nan_odd",
+    "one_pos_inf_odd",
+    "one_neg_inf_odd",
+    "all_equal",
+    "huge_finite",
+    "tie_free",
+)
+
+
+def tie_free_rows(num_rows: int, num_experts: int, generator: torch.Generator) -> torch.Tensor:
+    """[T, E] fp32 rows of distinct values, steps of min(1/8, 16/E) in [-8, 8): far enough apart
+    that any correct fp32 softmax/sigmoid keeps their order (sigmoid(8) still differs from its
+    neighbour by 4e-5, against an ulp of 6e-8)."""
+    ranks = torch.argsort(torch.rand(num_rows, num_experts, generator=generator), dim=1)
+    step = min(1.0 / 8.0, 16.0 / num_experts)
+    return (ranks.float() - num_experts / 2) * step
+
+
+def router_rows(kinds: list[str], num_experts: int, generator: torch.Generator) -> torch.Tensor:
+    """One fp32 row per kind, [len(kinds), E]."""
+    rows = tie_free_rows(len(kinds), num_experts, generator)
+    for i, kind in enumerate(kinds):
+        # An odd offset that moves with the row, so bad values land in different lanes/blocks.
+        odd = min(num_experts - 1, (2 * i + 1 + 2 * (num_experts // 3)) | 1)
+        if kind == "all_nan":
+            rows[i] = math.nan
+        elif kind == "all_pos_inf":
+            rows[i] = math.inf
+        elif kind == "all_neg_inf":
+            rows[i] = -math.inf
+        elif kind == "mixed_nonfinite":
+            start = i % 4
+            pattern = torch.tensor([math.nan, math.inf, -math.inf, 1.0]).roll(start)
+            rows[i] = pattern.repeat(num_experts // 4 + 1)[:num_experts]
+        elif kind == "one_nan_odd":
+            rows[i, odd] = math.nan
+        elif kind == "one_pos_inf_odd":
+            rows[i, odd] = math.inf
+        elif kind == "one_neg_inf_odd":
+            rows[i, odd] = -math.inf
+        elif kind == "all_equal":
+            rows[i] = 0.5
+        elif kind == "huge_finite":
+            rows[i] = torch.where(rows[i] > 0, 3e4, -3e4)  # finite in fp16 too
+        elif kind != "tie_free":
+            raise ValueError(f"unknown row kind {kind!r}")
+    return rows
+
+
+def interleave_with_tie_free(kinds: list[str]) -> list[str]:
+    """The kinds with a tie-free row after each, so a bad row sits between good ones."""
+    out: list[str] = []
+    for kind in kinds:
+        out += [kind, "tie_free"]
+    return out
+
+
+def padding_rows(kind: str, num_rows: int, width: int) -> torch.Tensor:
+    """What padded rows hold: `nan` (the production case), `inf`, `huge` or `zero`."""
+    value = {"nan": math.nan, "inf": math.inf, "huge": 6e4, "zero": 0.0}[kind]
+    return torch.full((num_rows, width), value)
+
+
+@dataclass(frozen=True)
+class RouteMode:
+    """A routing configuration; `kwargs` turns it into `route()` keyword arguments for E and K."""
+
+    name: str
+    scoring: str
+    renormalize: bool = True
+    bias: bool = False
+    groups: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def kwargs(
+        self, num_experts: int, top_k: int, generator: torch.Generator, device: torch.device
+    ) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "scoring": self.scoring,
+            "renormalize": self.renormalize,
+            "routed_scaling_factor": self.routed_scaling_factor,
+        }
+        if self.bias:
+            kw["bias"] = selection_bias(num_experts, generator).to(device)
+        if self.groups:
+            kw["n_group"], kw["topk_group"] = group_config(num_experts, top_k)
+        return kw
+
+
+ROUTE_MODES = (
+    RouteMode("softmax", "softmax"),
+    RouteMode("softmax_raw", "softmax", renormalize=False),
+    RouteMode("sigmoid", "sigmoid"),
+    RouteMode("sigmoid_bias", "sigmoid", bias=True),
+    RouteMode("softmax_groups", "softmax", groups=True),
+    # DeepSeek-V3: sigmoid, correction bias, 8 groups keep 4, scaled weights.
+    RouteMode("deepseek_v3", "sigmoid", bias=True, groups=True, routed_scaling_factor=2.5),
+    RouteMode("sigmoid_raw_scaled", "sigmoid", renormalize=False, routed_scaling_factor=0.5),
+)
+MODES_BY_NAME = {m.name: m for m in ROUTE_MODES}
+
+
+def selection_bias(num_experts: int, generator: torch.Generator) -> torch.Tensor:
+    """[E] fp32 distinct values in [-1/8, 1/8): big enough to change selections."""
+    ranks = torch.randperm(num_experts, generator=generator).float()
+    return (ranks - num_experts / 2) / (4 * num_experts)
+
+
+def group_config(num_experts: int, top_k: int) -> tuple[int, int]:
+    """(n_group, topk_group) for E: as many groups (<= 8) as divide E, keeping half of them, more
+    if the kept groups would hold fewer than K experts."""
+    n_group = next(g for g in (8, 4, 2, 1) if num_experts % g == 0)
+    group_size = num_experts // n_group
+    topk_group = max(1, n_group // 2)
+    while topk_group * group_size < top_k:
+        topk_group += 1
+    return n_group, topk_group
+
+
+def top_k_for(num_experts: int, kind: str = "typical") -> int:
+    """K for E: `typical` (8 for big E as in Qwen3/DeepSeek, 2 for Mixtral-sized), `one`, `all`."""
+    if kind == "one":
+        return 1
+    if kind == "all":
+        return num_experts
+    return max(1, min(8, num_experts // 3))
+
+
+def expert_weights(
+    num_experts: int, hidden: int, inter: int, dtype: torch.dtype, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) scaled so activations and outputs stay O(1)."""
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / math.sqrt(hidden)
+    w2 = torch.randn(num_experts, hidden, inter, generator=generator) / math.sqrt(inter)
+    return w13.to(dtype), w2.to(dtype)
+
+
+def tokens(num_rows: int, hidden: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(num_rows, hidden, generator=generator)
+
+
+def stale_ids(num_rows: int, top_k: int, num_experts: int, generator: torch.Generator) -> torch.Tensor:
+    """[T, K] int32 mixing valid ids with -1, -7, E, the stale 123456789, and duplicates."""
+    ids = torch.randint(0, num_experts, (num_rows, top_k), generator=generator, dtype=torch.int32)
+    bad_values = torch.tensor([-1, -7, num_experts, STALE_ID], dtype=torch.int32)
+    pick = torch.randint(0, 2 * len(bad_values), (num_rows, top_k), generator=generator)
+    ids = torch.where(pick < len(bad_values), bad_values[pick.clamp(max=len(bad_values) - 1)], ids)
+    if top_k > 1:  # every third row repeats its first slot in its last
+        ids[::3, -1] = ids[::3, 0]
+    return ids
+
+
+def random_weights(num_rows: int, top_k: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(num_rows, top_k, generator=generator)

@@ -1,0 +1,188 @@
+"""`safemoe check` and the `safemoe` command: passes on a correct backend, catches a broken one,
+reports what is not built, writes JSON, and every --help works."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import safemoe
+from safemoe import cli
+from safemoe.check import adapters
+from safemoe.check.registry import CaseContext, select_cases
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_check_passes_on_the_reference(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_json = tmp_path / "nested" / "check.json"
+    code, out = run_cli(capsys, "check", "--backend", "reference", "--quick", "--json", str(out_json))
+    assert code == 0, out
+    assert "routing.nan_rows" in out and "padding.moe" in out and "0 failed" in out
+    report = json.loads(out_json.read_text())
+    assert report["safemoe_version"] == safemoe.__version__
+    assert report["summary"]["failed"] == 0
+    statuses = {(r["check"], r["backend"]): r["status"] for r in report["results"]}
+    assert set(statuses.values()) == {"passed"}
+    assert {name for name, _ in statuses} == {c.name for c in select_cases(None)}
+    assert all(r["subcases"] > 0 for r in report["results"])
+
+
+def _duplicating_route(real_route):
+    def route(logits, top_k, **kwargs):
+        routing = real_route(logits, top_k, **kwargs)
+        ids = routing.ids.clone()
+        if ids.shape[1] > 1:
+            ids[:, 1] = ids[:, 0]  # the bug class: duplicate ids in a row
+        return safemoe.Routing(weights=routing.weights, ids=ids)
+
+    return route
+
+
+def test_broken_backend_fails_with_repro(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(safemoe, "route", _duplicating_route(safemoe.route))
+    code, out = run_cli(
+        capsys, "check", "--backend", "reference", "--quick", "--only", "routing", "--seed", "3"
+    )
+    assert code == 1
+    assert "FAILED" in out and "duplicate ids" in out
+    assert "safemoe check --only routing.nan_rows --seed 3 --backend reference --quick" in out
+
+
+def test_crashing_backend_is_a_failure(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(safemoe, "experts", crash)
+    code, out = run_cli(capsys, "check", "--backend", "reference", "--quick", "--only", "stale.ids")
+    assert code == 1
+    assert "raised RuntimeError: CUDA error: an illegal memory access" in out
+
+
+def test_missing_kernels_are_not_built(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(adapters.TRITON_MODULES, "route", ("safemoe.kernels.not_written_yet",))
+    monkeypatch.setitem(adapters.TRITON_MODULES, "moe", ("safemoe.kernels.not_written_yet",))
+    out_json = tmp_path / "check.json"
+    code, out = run_cli(
+        capsys,
+        "check",
+        "--backend",
+        "triton",
+        "--quick",
+        "--only",
+        "routing.health,padding.moe",
+        "--json",
+        str(out_json),
+    )
+    report = json.loads(out_json.read_text())
+    triton = report["backends"]["triton"]
+    if not triton["available"]:
+        pytest.skip(f"triton cannot run here: {triton['reason']}")
+    assert code == 0, out
+    assert {r["status"] for r in report["results"]} == {"not built"}
+    assert triton["ops"]["route"]["state"] == "not built"
+    assert "not built" in out
+
+
+def test_broken_kernel_module_is_a_failure(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    broken = tmp_path / "safemoe_broken_kernel.py"
+    broken.write_text("raise ImportError('kernel module fails to load')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(adapters.TRITON_MODULES, "route", ("safemoe_broken_kernel",))
+    code, out = run_cli(capsys, "check", "--backend", "triton", "--quick", "--only", "routing.health")
+    if "unavailable here" in out:
+        pytest.skip("triton cannot run here")
+    assert code == 1
+    assert "kernel module fails to load" in out
+
+
+def test_triton_backend_runs_when_built(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(capsys, "check", "--backend", "triton", "--quick", "--only", "routing.nan_rows")
+    assert code == 0, out
+    assert any(word in out for word in ("passed", "not built", "unavailable"))
+
+
+def test_only_and_backend_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(capsys, "check", "--only", "no_such_check")[0] == 2
+    assert run_cli(capsys, "check", "--backend", "cutlass")[0] == 2
+    code, out = run_cli(capsys, "check", "--list")
+    assert code == 0 and "routing.nan_rows" in out and "stale.ids" in out
+
+
+def test_globs_and_families_select_cases() -> None:
+    names = [c.name for c in select_cases(["routing.*_rows", "stale"])]
+    assert names and all(n.startswith(("routing.", "stale.")) for n in names)
+    assert "routing.nan_rows" in names and "routing.tie_free" not in names
+
+
+def test_grid_covers_every_value() -> None:
+    ctx = CaseContext(api=None, device=torch.device("cpu"), seed=1, scale=1, case_name="x.y")
+    combos = list(ctx.grid(a=[1, 2, 3], b="xy", c=[True]))
+    assert len(combos) == 3
+    assert {c["a"] for c in combos} == {1, 2, 3} and {c["b"] for c in combos} == {"x", "y"}
+    full = CaseContext(api=None, device=torch.device("cpu"), seed=1, scale=2, case_name="x.y")
+    assert len(list(full.grid(a=[1, 2, 3], b="xy"))) == 6
+
+
+def test_not_built_subcommand(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cli.SUBCOMMANDS, "demo", ("safemoe.no_such_module", "not here"))
+    code, out = run_cli(capsys, "demo")
+    assert code == 2
+    assert "not built yet" in out and "Traceback" not in out
+
+
+def test_main_without_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(capsys)
+    assert code == 2 and "check" in out and "bench" in out
+    code, out = run_cli(capsys, "--version")
+    assert code == 0 and safemoe.__version__ in out
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "120"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+
+
+def test_console_script_help() -> None:
+    for argv in (
+        ["safemoe", "--help"],
+        ["safemoe", "check", "--help"],
+        [sys.executable, "-m", "safemoe", "--help"],
+    ):
+        done = _run(*argv)
+        assert done.returncode == 0, done.stderr
+        assert "usage:" in done.stdout
+    assert "--only" in _run("safemoe", "check", "--help").stdout
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_other_subcommands_help_or_not_built(command: str) -> None:
+    done = _run(sys.executable, "-m", "safemoe", command, "--help")
+    assert done.returncode in (0, 2), done.stderr
+    assert ("usage:" in done.stdout) or ("not built yet" in done.stderr), done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_imports_subcommands_lazily() -> None:
+    code = "import sys, safemoe.cli; print(sorted(m for m in sys.modules if m.startswith('safemoe.')))"
+    done = _run(sys.executable, "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert "safemoe.check" not in done.stdout and "safemoe.bench" not in done.stdout
