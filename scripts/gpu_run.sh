@@ -63,8 +63,9 @@ DEVICE=$(python3 -c 'import torch; print(torch.cuda.get_device_name() if torch.c
 
 if has_stage tests; then
     echo "== tests (limit ${TESTS_TIMEOUT} s) =="
-    # The whole suite, compiled on the GPU; CPU-only tests run too.
-    timeout --kill-after=15 "$TESTS_TIMEOUT" python3 -m pytest ${PYTEST_TARGETS:-tests} -m "gpu or not slow" -q -p no:cacheprovider \
+    # The whole suite, compiled on the GPU; CPU-only tests run too. At the limit pytest gets SIGINT,
+    # so it still prints its failures and counts so far.
+    timeout -s INT --kill-after=20 "$TESTS_TIMEOUT" python3 -m pytest ${PYTEST_TARGETS:-tests} -m "gpu or not slow" -q -p no:cacheprovider \
         ${PYTEST_ARGS:-} > "$OUT_DIR/tests.log" 2>&1
     rc=$?
     counts=$(grep -E "(passed|failed|error|skipped)" "$OUT_DIR/tests.log" | tail -n 1 | tr -d '=' | xargs)
@@ -88,9 +89,10 @@ if has_stage sanitize; then
             python3 scripts/sanitize.py --stages graph >> "$OUT_DIR/sanitize.log" 2>&1
         rc2=$?
         rc=$(( rc1 != 0 ? rc1 : rc2 ))
-        errors=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$OUT_DIR/sanitize.log" | sed 's/^=* *//' | paste -sd "+" -)
-        cases=$(grep -E "^sanitize: " "$OUT_DIR/sanitize.log" | sed 's/^sanitize: //' | paste -sd "+" -)
-        record sanitize "$rc" "${errors:-no memcheck summary}; ${cases:-no case summary}"
+        passes=$(grep -cE "ERROR SUMMARY: [0-9]+ error" "$OUT_DIR/sanitize.log")
+        errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$OUT_DIR/sanitize.log" | awk '{n += $3} END {print n + 0}')
+        cases=$(grep -E "^sanitize: " "$OUT_DIR/sanitize.log" | sed 's/^sanitize: //' | paste -sd ";" -)
+        record sanitize "$rc" "memcheck errors: $errors in $passes of 2 passes; ${cases:-no case summary}"
     fi
     tail -n 3 "$OUT_DIR/sanitize.log"
 fi
@@ -120,6 +122,10 @@ fi
     for stage in tests sanitize bench; do
         if has_stage "$stage"; then echo "  $stage: ${RESULT[$stage]:-not recorded}"; else echo "  $stage: not run"; fi
     done
+    if has_stage tests && [ -f "$OUT_DIR/tests.log" ]; then
+        grep -E "^(FAILED|ERROR) " "$OUT_DIR/tests.log" | cut -d' ' -f2 | head -n 20 | sed 's/^/    failing: /'
+    fi
+    has_stage sanitize && grep -E "^FAIL " "$OUT_DIR/sanitize.log" 2>/dev/null | head -n 10 | sed 's/^FAIL /    sanitize case failed: /'
     echo "  results: $OUT_DIR (everything also in results.tar.gz)"
 } > "$OUT_DIR/summary.txt"
 ARCHIVE=$(mktemp /tmp/safemoe_gpu_run.XXXXXX)
