@@ -37,6 +37,14 @@ def _import_or_unavailable(module: str, peer: str) -> Any:
         raise PeerUnavailable(f"{peer}: not installed ({module} cannot be imported: {exc})") from exc
 
 
+def _call_peer(peer: str, what: str, call: Callable[[], Any]) -> Any:
+    """Run a library op; an API this adapter does not know (renamed, new signature) is unavailable."""
+    try:
+        return call()
+    except (AttributeError, TypeError) as exc:
+        raise PeerUnavailable(f"{peer}: {what} API not recognised ({type(exc).__name__}: {exc})") from exc
+
+
 # ----------------------------------------------------------------------------------------------
 # Routing peers
 # ----------------------------------------------------------------------------------------------
@@ -113,86 +121,67 @@ def compiled_torch_route(
     return _compiled_route()(logits, top_k, **kwargs)
 
 
-def vllm_route(
-    logits: torch.Tensor,
-    top_k: int,
-    *,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-    nan_to_num: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's routing ops: `fused_topk` (softmax, CUDA topk_softmax) or `grouped_topk`."""
-    module = _import_or_unavailable("vllm.model_executor.layers.fused_moe", "vllm")
-    if nan_to_num:
-        logits = torch.nan_to_num(logits)
-    try:
-        if n_group is None and bias is None and scoring == "softmax":
-            out = module.fused_topk(logits, logits, top_k, renormalize)
-        else:
-            out = module.grouped_topk(
-                logits,
-                logits,
-                top_k,
-                renormalize,
-                num_expert_group=n_group or 1,
-                topk_group=topk_group or 1,
-                scoring_func=scoring,
-                routed_scaling_factor=routed_scaling_factor,
-                e_score_correction_bias=bias,
-            )
-    except (AttributeError, TypeError) as exc:
-        raise PeerUnavailable(f"vllm: routing API not recognised ({type(exc).__name__}: {exc})") from exc
-    weights, ids = out[0], out[1]
-    return weights, ids
+def _vllm_route_op(module: Any, logits: torch.Tensor, top_k: int, args: dict[str, Any]) -> Any:
+    """vLLM: `fused_topk` (its CUDA topk_softmax) for plain softmax, `grouped_topk` otherwise."""
+    if args["n_group"] is None and args["bias"] is None and args["scoring"] == "softmax":
+        return module.fused_topk(logits, logits, top_k, args["renormalize"])
+    return module.grouped_topk(
+        logits,
+        logits,
+        top_k,
+        args["renormalize"],
+        num_expert_group=args["n_group"] or 1,
+        topk_group=args["topk_group"] or 1,
+        scoring_func=args["scoring"],
+        routed_scaling_factor=args["routed_scaling_factor"],
+        e_score_correction_bias=args["bias"],
+    )
 
 
-def sglang_route(
-    logits: torch.Tensor,
-    top_k: int,
-    *,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-    nan_to_num: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's routing ops (`sglang.srt.layers.moe.topk`): fused_topk / biased_grouped_topk."""
-    module = _import_or_unavailable("sglang.srt.layers.moe.topk", "sglang")
-    if nan_to_num:
-        logits = torch.nan_to_num(logits)
-    try:
-        if n_group is None and bias is None and scoring == "softmax":
-            out = module.fused_topk(logits, logits, top_k, renormalize)
-        elif bias is not None:
-            out = module.biased_grouped_topk(
-                logits,
-                logits,
-                bias,
-                top_k,
-                renormalize,
-                n_group or 1,
-                topk_group or 1,
-                routed_scaling_factor=routed_scaling_factor,
-            )
-        else:
-            out = module.grouped_topk(
-                logits,
-                logits,
-                top_k,
-                renormalize,
-                n_group or 1,
-                topk_group or 1,
-                routed_scaling_factor=routed_scaling_factor,
-            )
-    except (AttributeError, TypeError) as exc:
-        raise PeerUnavailable(f"sglang: routing API not recognised ({type(exc).__name__}: {exc})") from exc
-    return out[0], out[1]
+def _sglang_route_op(module: Any, logits: torch.Tensor, top_k: int, args: dict[str, Any]) -> Any:
+    """SGLang: `fused_topk` for plain softmax, `biased_grouped_topk` / `grouped_topk` otherwise."""
+    if args["n_group"] is None and args["bias"] is None and args["scoring"] == "softmax":
+        return module.fused_topk(logits, logits, top_k, args["renormalize"])
+    groups = (args["n_group"] or 1, args["topk_group"] or 1)
+    scale = {"routed_scaling_factor": args["routed_scaling_factor"]}
+    if args["bias"] is not None:
+        return module.biased_grouped_topk(
+            logits, logits, args["bias"], top_k, args["renormalize"], *groups, **scale
+        )
+    return module.grouped_topk(logits, logits, top_k, args["renormalize"], *groups, **scale)
+
+
+def _library_route(
+    peer: str, module_name: str, op: Callable[[Any, torch.Tensor, int, dict[str, Any]], Any]
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """A `torch_route`-shaped adapter around a library's routing op (the library's dtypes kept)."""
+
+    def route(logits: torch.Tensor, top_k: int, *, nan_to_num: bool = False, **kwargs: Any):
+        module = _import_or_unavailable(module_name, peer)
+        args = {
+            "scoring": "softmax",
+            "renormalize": True,
+            "bias": None,
+            "n_group": None,
+            "topk_group": None,
+            "routed_scaling_factor": 1.0,
+        }
+        unknown = set(kwargs) - set(args)
+        if unknown:
+            raise TypeError(f"{peer}_route: unexpected arguments {sorted(unknown)}")
+        args.update(kwargs)
+        if nan_to_num:
+            logits = torch.nan_to_num(logits)
+        out = _call_peer(peer, "routing", lambda: op(module, logits, top_k, args))
+        return out[0], out[1]
+
+    route.__name__ = f"{peer}_route"
+    route.__doc__ = f"{peer}'s routing ops ({module_name}); same arguments as `torch_route`."
+    return route
+
+
+vllm_route = _library_route("vllm", "vllm.model_executor.layers.fused_moe", _vllm_route_op)
+sglang_route = _library_route("sglang", "sglang.srt.layers.moe.topk", _sglang_route_op)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,40 +274,33 @@ def grouped_mm_experts(
     return out.to(x.dtype)
 
 
-def vllm_fused_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """vLLM's Triton fused_experts (w1 = [E, 2I, H] gate then up, w2 = [E, H, I]: our layout)."""
-    module = _import_or_unavailable("vllm.model_executor.layers.fused_moe", "vllm")
-    try:
-        return module.fused_experts(x, w13, w2, weights, ids.to(torch.int32), activation=activation)
-    except (AttributeError, TypeError) as exc:
-        raise PeerUnavailable(
-            f"vllm: fused_experts API not recognised ({type(exc).__name__}: {exc})"
-        ) from exc
+def _triton_fused_experts(peer: str, module_name: str) -> Callable[..., torch.Tensor]:
+    """An adapter for a vLLM-style Triton `fused_experts(x, w1, w2, topk_weights, topk_ids, ...)`,
+    whose w1 = [E, 2I, H] (gate rows then up rows) and w2 = [E, H, I] are our layout."""
+
+    def fused_experts(
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        module = _import_or_unavailable(module_name, peer)
+        ids32 = ids.to(torch.int32)
+        return _call_peer(
+            peer,
+            "fused_experts",
+            lambda: module.fused_experts(x, w13, w2, weights, ids32, activation=activation),
+        )
+
+    fused_experts.__name__ = f"{peer}_fused_experts"
+    fused_experts.__doc__ = f"{peer}'s Triton fused_experts ({module_name})."
+    return fused_experts
 
 
-def sglang_fused_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """SGLang's Triton fused_experts (same weight layout as vLLM's)."""
-    module = _import_or_unavailable("sglang.srt.layers.moe.fused_moe_triton.fused_moe", "sglang")
-    try:
-        return module.fused_experts(x, w13, w2, weights, ids.to(torch.int32), activation=activation)
-    except (AttributeError, TypeError) as exc:
-        raise PeerUnavailable(
-            f"sglang: fused_experts API not recognised ({type(exc).__name__}: {exc})"
-        ) from exc
+vllm_fused_experts = _triton_fused_experts("vllm", "vllm.model_executor.layers.fused_moe")
+sglang_fused_experts = _triton_fused_experts("sglang", "sglang.srt.layers.moe.fused_moe_triton.fused_moe")
 
 
 def flashinfer_fused_experts(
@@ -336,14 +318,12 @@ def flashinfer_fused_experts(
         raise PeerUnavailable(f"flashinfer adapter: only silu is wired up, got {activation!r}")
     inter = w13.shape[1] // 2
     fc1 = torch.cat([w13[:, inter:], w13[:, :inter]], dim=1)
-    try:
-        out = module.cutlass_fused_moe(
-            x, ids.to(torch.int32), weights.float(), fc1, w2, x.dtype, quant_scales=[]
-        )
-    except (AttributeError, TypeError) as exc:
-        raise PeerUnavailable(
-            f"flashinfer: cutlass_fused_moe API not recognised ({type(exc).__name__}: {exc})"
-        ) from exc
+    ids32, weights32 = ids.to(torch.int32), weights.float()
+    out = _call_peer(
+        "flashinfer",
+        "cutlass_fused_moe",
+        lambda: module.cutlass_fused_moe(x, ids32, weights32, fc1, w2, x.dtype, quant_scales=[]),
+    )
     return out[0] if isinstance(out, (list, tuple)) else out
 
 
