@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, assert_equal
 
 import safemoe
+from helpers import assert_close, assert_equal
 from safemoe import ops
 from safemoe._checks import NumValid
 from safemoe.health import Health
 from safemoe.module import MoE, fold_expert_biases, folded_hidden
 from safemoe.reference import activation_reference, moe_reference
 
-H, I, E, K = 32, 16, 8, 2
+H, I, E, K = 32, 16, 8, 2  # noqa: E741 (the project's shape names)
 
 
 def make_moe(**kwargs) -> MoE:
@@ -92,7 +92,9 @@ def test_shared_expert_with_gate_and_padding():
     x = padded_input(9, 5)
     with torch.no_grad():
         got = moe(x, num_valid=torch.tensor(5))
-        routed = moe_reference(x, F.linear(x, moe.gate.weight), moe.w13, moe.w2, K, num_valid=NumValid(5, None))
+        routed = moe_reference(
+            x, F.linear(x, moe.gate.weight), moe.w13, moe.w2, K, num_valid=NumValid(5, None)
+        )
         s = moe.shared_expert
         shared = s.down_proj(F.silu(s.gate_proj(x)) * s.up_proj(x)) * torch.sigmoid(moe.shared_expert_gate(x))
     assert_close(got[:5], routed[:5] + shared[:5])
@@ -179,14 +181,19 @@ def test_moe_argument_errors():
 
 
 class FakeWorkspace:
-    """Stands in for safemoe.Workspace where only the plumbing is tested."""
+    """Stands in for a workspace where only the plumbing is tested."""
+
+
+def _workspace_module():
+    try:
+        import safemoe.workspace as module
+    except ImportError:
+        return None
+    return module
 
 
 def test_layers_share_one_workspace(monkeypatch):
-    ws = getattr(safemoe, "Workspace", None)
-    workspace = FakeWorkspace() if ws is None else None
-    if workspace is None:
-        workspace = ws(max_tokens=16, num_experts=E, top_k=K, hidden=H, inter=I, dtype=torch.float32, device="cpu")
+    workspace = FakeWorkspace()
     layers = [make_moe(workspace=workspace) for _ in range(4)]
     seen = []
 
@@ -214,11 +221,12 @@ def test_workspace_not_passed_when_experts_lacks_it(monkeypatch):
         make_moe(workspace=FakeWorkspace())(torch.randn(3, H))
 
 
-@pytest.mark.skipif(not hasattr(safemoe, "workspace_bytes"), reason="safemoe.workspace_bytes not built yet")
+@pytest.mark.skipif(_workspace_module() is None, reason="safemoe.workspace not built yet")
 def test_workspace_bytes_matches_allocation():
+    module = _workspace_module()
     args = dict(max_tokens=64, num_experts=E, top_k=K, hidden=H, inter=I, dtype=torch.float16)
-    ws = safemoe.Workspace(**args, device="cpu")
-    assert ws.nbytes == safemoe.workspace_bytes(**args)
+    ws = module.Workspace(**args, device="cpu")
+    assert ws.nbytes == module.workspace_bytes(**args)
 
 
 def test_torch_compile_fullgraph_cpu():
@@ -236,7 +244,7 @@ def test_torch_compile_fullgraph_cpu():
 
 def _triton_kernels_built() -> bool:
     try:
-        import safemoe.kernels.experts  # noqa: F401
+        import safemoe.kernels.experts
         import safemoe.kernels.router  # noqa: F401
     except ImportError:
         return False
@@ -244,10 +252,19 @@ def _triton_kernels_built() -> bool:
 
 
 @pytest.mark.skipif(not _triton_kernels_built(), reason="Triton router/expert kernels not built yet")
-def test_moe_triton_backend_interpreter():
-    moe = make_moe(backend="triton", dtype=torch.float16)
+def test_four_layers_share_a_workspace_triton_interpreter():
+    """Four layers, one real Workspace, the Triton kernels under the interpreter vs the reference."""
+    module = _workspace_module()
+    assert module is not None
+    workspace = module.Workspace(8, E, K, H, I, torch.float16, "cpu")
     x = padded_input(6, 4).half()
-    with torch.no_grad():
-        got = moe(x, num_valid=torch.tensor(4))
-        want = make_moe(backend="reference", dtype=torch.float16)(x, num_valid=4)
-    assert_close(got, want)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        layer = MoE(H, I, E, K, backend="triton", dtype=torch.float16, workspace=workspace)
+        reference = MoE(H, I, E, K, backend="reference", dtype=torch.float16)
+        reference.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            got = layer(x, num_valid=torch.tensor(4))
+            want = reference(x, num_valid=4)
+        assert_close(got, want, what=f"layer {seed}")
+        assert_equal(got[4:], torch.zeros_like(got[4:]))

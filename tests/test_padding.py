@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from helpers import assert_equal
 
+from helpers import assert_equal
 from safemoe import ops
 from safemoe._checks import check_num_valid
 from safemoe.padding import _zero_padding_triton, zero_padding_
@@ -15,7 +15,7 @@ from safemoe.padding import _zero_padding_triton, zero_padding_
 
 def expected(t: torch.Tensor, count: int) -> torch.Tensor:
     e = t.clone()
-    e[max(0, min(count, t.shape[0])):] = 0
+    e[max(0, min(count, t.shape[0])) :] = 0
     return e
 
 

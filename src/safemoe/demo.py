@@ -61,13 +61,13 @@ def build_model(config: Any, device: torch.device, dtype: torch.dtype, seed: int
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3MoeForCausalLM(config)
+            model: Any = Qwen3MoeForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
     return model.to(device=device, dtype=dtype).eval()
 
 
-def decode_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def decode_logits(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """One decode step for B one-token sequences: input_ids [B] -> fp32 logits [B, V].
 
     Runs the decoder layers directly (no KV cache, no mask construction: nothing that could
@@ -77,7 +77,9 @@ def decode_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch
     positions = position_ids[:, None]  # [B, 1]
     position_embeddings = inner.rotary_emb(hidden, positions)
     for layer in inner.layers:
-        hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+        hidden = layer(
+            hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings
+        )
     hidden = inner.norm(hidden)
     return model.lm_head(hidden[:, 0]).float()
 
@@ -90,7 +92,7 @@ class Probes:
     Buffers are [layers, max_rows] flags written with device copies, so a graph replays them.
     """
 
-    def __init__(self, model: nn.Module, max_rows: int, device: torch.device) -> None:
+    def __init__(self, model: Any, max_rows: int, device: torch.device) -> None:
         self.num_valid: torch.Tensor | None = None
         layers = model.model.layers
         self.duplicate = torch.zeros(len(layers), max_rows, dtype=torch.bool, device=device)
@@ -182,7 +184,7 @@ def _sync(device: torch.device) -> None:
 
 def run_side(
     side: str,
-    model: nn.Module,
+    model: Any,
     stream: list[torch.Tensor],
     max_batch: int,
     device: torch.device,
@@ -215,7 +217,9 @@ def run_side(
             except RuntimeError as error:
                 result.errors.append(f"capture: {error}"[:300])
         if runner is None:
-            runner = CUDAGraphRunner(step, max_batch, example, num_valid=num_valid, allow_eager=True, force_eager=True)
+            runner = CUDAGraphRunner(
+                step, max_batch, example, num_valid=num_valid, allow_eager=True, force_eager=True
+            )
             result.mode = "eager" if not result.errors else "eager (graph capture failed)"
         for input_ids in stream:
             batch = input_ids.shape[0]
@@ -254,7 +258,7 @@ def run_side(
 
 
 def _tokens_differ(
-    model: nn.Module,
+    model: Any,
     probes: Probes,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -314,7 +318,9 @@ def print_report(results: list[SideResult], title: str) -> None:
 
 # -- CLI --------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a few steps on the tiny model (seconds, for CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few steps on the tiny model (seconds, for CI)"
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--config", default=None, help="'tiny', 'gpu' or a JSON path (default: by device)")
     parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
@@ -358,9 +364,9 @@ def run(args: argparse.Namespace) -> int:
     )
     results = [stock, patched]
     title = (
-        f"safemoe demo: {config_name} Qwen3-MoE ({config.num_hidden_layers} layers, E={config.num_experts}, "
-        f"K={config.num_experts_per_tok}, H={config.hidden_size}) on {_device_name(device)}, {str(dtype)[6:]}, "
-        f"{steps} steps, batches 1..{max_batch}"
+        f"safemoe demo: {config_name} Qwen3-MoE ({config.num_hidden_layers} layers, "
+        f"E={config.num_experts}, K={config.num_experts_per_tok}, H={config.hidden_size}) on "
+        f"{_device_name(device)}, {str(dtype)[6:]}, {steps} steps, batches 1..{max_batch}"
     )
     print_report(results, title)
     if args.json is not None:

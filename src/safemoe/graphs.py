@@ -23,6 +23,7 @@ the runner keeps the same buckets, static buffers and `num_valid` scalar and cal
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,7 +96,9 @@ class CUDAGraphRunner:
         self.device = device
         self.buckets = sorted(set(buckets)) if buckets is not None else token_buckets(max_tokens)
         if not self.buckets or self.buckets[0] < 1 or self.buckets[-1] != max_tokens:
-            raise ValueError(f"buckets must be positive and end at max_tokens={max_tokens}, got {self.buckets}")
+            raise ValueError(
+                f"buckets must be positive and end at max_tokens={max_tokens}, got {self.buckets}"
+            )
         self.max_tokens = max_tokens
         # Static inputs of the largest size; bucket b reads rows [0, b).
         self.static_inputs = [
@@ -103,7 +106,11 @@ class CUDAGraphRunner:
         ]
         if num_valid is None:
             num_valid = torch.zeros((), dtype=torch.int32, device=device)
-        elif num_valid.dim() != 0 or num_valid.dtype not in (torch.int32, torch.int64) or num_valid.device != device:
+        elif (
+            num_valid.dim() != 0
+            or num_valid.dtype not in (torch.int32, torch.int64)
+            or num_valid.device != device
+        ):
             raise ValueError(f"num_valid must be a 0-dim int32/int64 tensor on {device}, got {num_valid!r}")
         self.num_valid = num_valid
         self.static_outputs: list[torch.Tensor] = []
@@ -121,7 +128,9 @@ class CUDAGraphRunner:
         outs = _as_tuple(out)
         for i, o in enumerate(outs):
             if o.dim() < 1 or o.shape[0] != bucket:
-                raise ValueError(f"output {i} of fn must have {bucket} rows first, got shape {tuple(o.shape)}")
+                raise ValueError(
+                    f"output {i} of fn must have {bucket} rows first, got shape {tuple(o.shape)}"
+                )
         return outs
 
     def _capture_all(self) -> None:
@@ -139,10 +148,16 @@ class CUDAGraphRunner:
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
                     outs = self._run(bucket)
-                    for static, o in zip(self.static_outputs, outs):
+                    for static, o in zip(self.static_outputs, outs, strict=True):
                         static[:bucket].copy_(o)
             except Exception as error:
-                raise RuntimeError(f"CUDA graph capture failed for bucket {bucket}: {error}") from error
+                del graph
+                with contextlib.suppress(RuntimeError):  # drain the error a failed capture leaves
+                    torch.cuda.synchronize(self.device)
+                first = (str(error).strip().splitlines() or [""])[0][:200]
+                raise RuntimeError(
+                    f"CUDA graph capture failed for bucket {bucket}: {type(error).__name__}: {first}"
+                ) from error
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bucket] = graph
@@ -170,7 +185,7 @@ class CUDAGraphRunner:
         if num_tokens < 1:
             raise ValueError("a batch needs at least one token")
         bucket = self.bucket_for(num_tokens)
-        for static, t in zip(self.static_inputs, inputs):
+        for static, t in zip(self.static_inputs, inputs, strict=True):
             if t.shape[0] != num_tokens or t.shape[1:] != static.shape[1:]:
                 raise ValueError(
                     f"inputs must be [{num_tokens}, {tuple(static.shape[1:])}...], got {tuple(t.shape)}"

@@ -113,7 +113,9 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts, **factory)) if bias else None
         self.selection_bias: torch.Tensor | None
         if selection_bias:
-            self.register_buffer("selection_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer(
+                "selection_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+            )
         else:
             self.selection_bias = None
         _init_normal(self.weight)

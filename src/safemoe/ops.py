@@ -4,9 +4,11 @@ kernels they launch.
 
 | op | schema (short) |
 |---|---|
-| `safemoe::route` | (logits, top_k, scoring, renormalize, bias?, n_group?, topk_group?, scale, num_valid?, count?, backend) -> (weights, ids) |
+| `safemoe::route` | (logits, top_k, scoring, renormalize, bias?, n_group?, topk_group?, scale, |
+| | num_valid?, count?, backend) -> (weights, ids) |
 | `safemoe::route_counted` | the same, then `health!` (int64 [8], mutated) |
-| `safemoe::experts` | (x, w13, w2, weights, ids, activation, num_valid?, count?, backend, workspace_id) -> out |
+| `safemoe::experts` | (x, w13, w2, weights, ids, activation, num_valid?, count?, backend, |
+| | workspace_id) -> out |
 | `safemoe::experts_counted` | the same, then `health!` |
 | `safemoe::zero_padding_` | (t!, num_valid?, count?) -> () |
 
@@ -65,7 +67,7 @@ def lookup_workspace(workspace_id: int) -> Any:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _accepts_workspace(fn: Any) -> bool:
     """Whether the public `experts()` takes `workspace=` (added by the expert-kernel work)."""
     try:
@@ -85,7 +87,9 @@ def split_num_valid(num_valid: int | torch.Tensor | None) -> tuple[Optional[torc
     if isinstance(num_valid, torch.Tensor):
         return num_valid, None
     if isinstance(num_valid, bool) or not isinstance(num_valid, int):
-        raise TypeError(f"num_valid must be None, an int or a 0-dim integer tensor, got {type(num_valid).__name__}")
+        raise TypeError(
+            f"num_valid must be None, an int or a 0-dim integer tensor, got {type(num_valid).__name__}"
+        )
     return None, num_valid
 
 
@@ -256,7 +260,9 @@ _experts_counted_op.register_fake(_experts_fake)
 
 
 @torch.library.custom_op("safemoe::zero_padding_", mutates_args=("t",))
-def _zero_padding_op(t: torch.Tensor, num_valid: Optional[torch.Tensor], num_valid_count: Optional[int]) -> None:
+def _zero_padding_op(
+    t: torch.Tensor, num_valid: Optional[torch.Tensor], num_valid_count: Optional[int]
+) -> None:
     _zero_padding_public(t, _join_num_valid(num_valid, num_valid_count))
 
 

@@ -26,7 +26,7 @@ _BLOCK = 8192
 _PROGRAMS_PER_SM = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -6,14 +6,14 @@
 
 Supported blocks (transformers 5.17 and 5.23 store experts fused the same way):
 
-| model family | block class | routing | notes |
+| family | block class | routing | extras |
 |---|---|---|---|
 | Qwen3-MoE | `Qwen3MoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob | |
-| Qwen2-MoE | `Qwen2MoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob | shared expert + sigmoid gate |
+| Qwen2-MoE | `Qwen2MoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob | shared expert + gate |
 | Mixtral | `MixtralSparseMoeBlock` | softmax, renormalize | |
-| OLMoE | `OlmoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob (False) | |
-| DeepSeek-V3 | `DeepseekV3MoE` | sigmoid, e_score_correction_bias, n_group / topk_group, routed_scaling_factor, fp32 logits | shared experts |
-| gpt-oss | `GptOssMLP` | router bias, softmax over the top-k logits (= renormalized softmax) | swigluoai, expert biases |
+| OLMoE | `OlmoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob | |
+| DeepSeek-V3 | `DeepseekV3MoE` | sigmoid + selection bias, groups, scaling, fp32 logits | shared experts |
+| gpt-oss | `GptOssMLP` | router bias, softmax of the top-k logits (renormalized) | swigluoai, biases |
 
 Weights: the router weight, `gate_up_proj` [E, 2I, H] (gate rows then up rows, exactly safemoe's
 w13) and `down_proj` [E, H, I] (safemoe's w2) are reused as the same Parameter objects, no copy;
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from safemoe import _checks
 from safemoe.health import Health
 from safemoe.module import MoE, fold_expert_biases
 from safemoe.reference import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
@@ -78,11 +79,13 @@ class SafeMoEBlock(nn.Module):
         return f"replaces={self.source_class}"
 
 
-def _activation(module: nn.Module, where: str) -> str:
+def _activation(module: Any, where: str) -> str:
     config = getattr(module, "config", None)
     name = getattr(config, "hidden_act", "silu")
     if name not in _ACTIVATIONS:
-        raise ValueError(f"{where}: hidden_act={name!r} has no safemoe activation (supported: {sorted(_ACTIVATIONS)})")
+        raise ValueError(
+            f"{where}: hidden_act={name!r} has no safemoe activation (supported: {sorted(_ACTIVATIONS)})"
+        )
     return _ACTIVATIONS[name]
 
 
@@ -100,7 +103,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else nn.Parameter(t.detach().contiguous(), requires_grad=False)
 
 
-def _build_standard(block: nn.Module, router: nn.Module, experts: nn.Module, *, where: str, **route: Any) -> MoE:
+def _build_standard(block: Any, router: Any, experts: Any, *, where: str, **route: Any) -> MoE:
     """A MoE over the fused [E, 2I, H] / [E, H, I] experts most v5 models share."""
     w13, w2 = experts.gate_up_proj, experts.down_proj
     num_experts, two_inter, hidden = w13.shape
@@ -122,26 +125,28 @@ def _build_standard(block: nn.Module, router: nn.Module, experts: nn.Module, *, 
     return moe
 
 
-def _qwen3(block: nn.Module, where: str) -> MoE:
-    return _build_standard(block, block.gate, block.experts, where=where, renormalize=bool(block.gate.norm_topk_prob))
+def _qwen3(block: Any, where: str) -> MoE:
+    return _build_standard(
+        block, block.gate, block.experts, where=where, renormalize=bool(block.gate.norm_topk_prob)
+    )
 
 
-def _olmoe(block: nn.Module, where: str) -> MoE:
+def _olmoe(block: Any, where: str) -> MoE:
     return _qwen3(block, where)
 
 
-def _mixtral(block: nn.Module, where: str) -> MoE:
+def _mixtral(block: Any, where: str) -> MoE:
     return _build_standard(block, block.gate, block.experts, where=where, renormalize=True)
 
 
-def _qwen2(block: nn.Module, where: str) -> MoE:
+def _qwen2(block: Any, where: str) -> MoE:
     moe = _qwen3(block, where)
     moe.shared_expert = block.shared_expert
     moe.shared_expert_gate = block.shared_expert_gate
     return moe
 
 
-def _deepseek_v3(block: nn.Module, where: str) -> MoE:
+def _deepseek_v3(block: Any, where: str) -> MoE:
     router = block.gate
     moe = _build_standard(
         block,
@@ -161,9 +166,12 @@ def _deepseek_v3(block: nn.Module, where: str) -> MoE:
     return moe
 
 
-def _gpt_oss(block: nn.Module, where: str) -> MoE:
+def _gpt_oss(block: Any, where: str) -> MoE:
     router, experts = block.router, block.experts
-    alpha, limit = float(getattr(experts, "alpha", SWIGLUOAI_ALPHA)), float(getattr(experts, "limit", SWIGLUOAI_LIMIT))
+    alpha, limit = (
+        float(getattr(experts, "alpha", SWIGLUOAI_ALPHA)),
+        float(getattr(experts, "limit", SWIGLUOAI_LIMIT)),
+    )
     if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
         raise ValueError(
             f"{where}: safemoe's swigluoai uses alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}; "
@@ -235,6 +243,7 @@ def patch(
     Raises ValueError naming the class when the model has an MoE block safemoe does not support,
     or no MoE block at all.
     """
+    backend = _checks.check_backend(backend)
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, SafeMoEBlock):
@@ -250,7 +259,8 @@ def patch(
     already = any(isinstance(m, SafeMoEBlock) for m in model.modules())
     if not found and not already:
         raise ValueError(
-            f"{type(model).__name__} has no MoE block safemoe can patch (looked for {', '.join(SUPPORTED_BLOCKS)})"
+            f"{type(model).__name__} has no MoE block safemoe can patch "
+            f"(looked for {', '.join(SUPPORTED_BLOCKS)})"
         )
     state = getattr(model, "_safemoe_state", None)
     if state is None:
