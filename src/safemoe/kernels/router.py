@@ -10,24 +10,26 @@ Contract (docs/contract.md, spec `safemoe.reference.route_reference`):
 - health (optional int64 [>= 8], safemoe.health): slot NONFINITE_ROWS += valid rows holding a
   non-finite logit, slot PADDED_ROWS += T - num_valid. Device atomics only, never read here.
 
-How (everything in registers, one program per BLOCK_T rows):
-1. Load the row tile [BLOCK_T, NG_PAD, GS_PAD] (groups x experts-in-group, each padded to a power of
-   two, so non-power-of-two E and group sizes such as E=160 / 8 groups of 20 need no special case),
-   upcast to fp32 and sanitise.
+How (everything in registers, one program per BLOCK_T rows, rows past num_valid never loaded):
+1. Load the [BLOCK_T, E_PAD] tile (E_PAD = next power of two >= E), upcast to fp32, sanitise.
 2. Score (softmax or sigmoid) in fp32; selection = score + sanitised bias, clamped to +-FLT_MAX.
-3. Each selection score becomes one int64 key: the order-preserving integer image of its fp32 bits
-   in the upper half and (2^31 - 1 - expert) in the lower half. Keys are unique per row, and key
-   order is exactly "larger score first, then lower index", the reference's total order (the packed
-   (score, index) idea is the one SGLang's and triton_kernels' top-k kernels use). Columns that may
-   not be picked (past E, or in a dropped group) get DEAD_KEY, a value no real key can take: its
-   upper half is the image of a NaN bit pattern and sanitised scores are never NaN.
-4. Group-limited selection: group score = sum of its two best selection scores, the best
-   `topk_group` groups (ties to the lower group index, by the same kind of key) stay eligible.
-5. Top-K over the keys: either K passes of "max among keys below the previous max" (a decreasing
-   chain of unique keys, so K distinct ids) or Triton's bitonic tl.topk on the same keys. Both give
-   the same K keys in the same order; the faster one per shape is chosen by `_pick_config`.
-6. Weights: the unbiased scores of the picked experts, renormalised in fp32 with a zero floor and
-   multiplied by routed_scaling_factor.
+3. Each selection score becomes its order-preserving int32 image (`_ordered`: integer order ==
+   float order), so row maxima are integer reductions (one REDUX instruction per warp on sm_90)
+   and a top-K pass costs ~6 instructions per element, against ~10 with packed 64-bit
+   (score, index) keys (SASS counts in docs/router.md).
+   Columns that may not be picked (past E, already picked, in a dropped group) hold DEAD =
+   INT32_MIN, strictly below every real value: the smallest real one is the image of -FLT_MAX
+   (0x80800000); INT32_MIN is the image of a NaN bit pattern, and sanitised scores are never NaN.
+4. Group-limited selection: group score = sum of the group's two best selection scores (its one
+   score if it has one; a tie for the best counts twice), the best `topk_group` groups stay
+   eligible, ties to the lower group index. Power-of-two groups that tile E use one [R, G, S]
+   view; other group sizes (E=160: 8 groups of 20) one masked pass per group.
+5. Top-K: K passes of "max, then the lowest column holding it, then mark it DEAD". The max is
+   over live columns only and each pass kills exactly one live column, so the K ids are distinct,
+   in [0, E), in the reference's total order (larger score first, ties to the lower index).
+6. Weights: the unbiased scores of the picked experts (decoded from the ordered image, or
+   recomputed from the cached logits when a bias moved the selection), renormalised in fp32 with
+   a zero floor, times routed_scaling_factor.
 """
 
 from __future__ import annotations
@@ -42,16 +44,15 @@ from safemoe._checks import NumValid, RouteArgs
 from safemoe.health import HEALTH_SLOTS, NONFINITE_ROWS, PADDED_ROWS
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-# Below every real key: its upper half (0x80000000) is the ordered image of the NaN bits 0xFFFFFFFF.
-DEAD_KEY = tl.constexpr(-(2**63) + 1)
-LOW_MASK = tl.constexpr(0x7FFFFFFF)  # lower half of a key: expert ^ LOW_MASK == LOW_MASK - expert
+DEAD = tl.constexpr(-(2**31))  # below _ordered(-FLT_MAX) = 0x80800000 (see step 3 above)
 _NONFINITE_ROWS = tl.constexpr(NONFINITE_ROWS)
 _PADDED_ROWS = tl.constexpr(PADDED_ROWS)
 
 
 @triton.jit
 def _ordered(x):
-    """fp32 -> int32 whose signed order is the float order (NaN-free input, -0.0 canonicalised)."""
+    """fp32 -> int32 whose signed order is the float order (NaN-free input; -0.0 sorts below +0.0,
+    so callers canonicalise -0.0 first where it can occur)."""
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
@@ -60,21 +61,6 @@ def _ordered(x):
 def _unordered(o):
     """Inverse of _ordered: int32 -> fp32."""
     return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _make_key(value, index):
-    return (_ordered(value).to(tl.int64) << 32) | (index ^ LOW_MASK).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key):
-    return _unordered((key >> 32).to(tl.int32))
-
-
-@triton.jit
-def _key_index(key):
-    return ((key & LOW_MASK) ^ LOW_MASK).to(tl.int32)
 
 
 @triton.jit
@@ -87,44 +73,107 @@ def _sanitize(x, SANITIZE: tl.constexpr):
 
 
 @triton.jit
-def _max_chain_topk(keys, K_PAD: tl.constexpr, TOP_K: tl.constexpr):
-    """[R, P] unique keys -> [R, K_PAD] the TOP_K largest, descending (columns >= TOP_K: DEAD_KEY)."""
+def _pick(values, index, NONE: tl.constexpr):
+    """One pass over [R, N] ordered values: (max [R], the lowest index holding it [R])."""
+    best = tl.max(values, axis=1)
+    position = tl.min(tl.where(values == best[:, None], index, NONE), axis=1)
+    return best, position
+
+
+@triton.jit
+def _topk(values, index, K_PAD: tl.constexpr, TOP_K: tl.constexpr, NONE: tl.constexpr):
+    """[R, N] ordered values (DEAD = not eligible) -> ([R, K_PAD] the TOP_K largest, descending,
+    [R, K_PAD] their indices); ties go to the lowest index, so the order is total."""
     kcol = tl.arange(0, K_PAD)[None, :]
-    prev = tl.max(keys, axis=1)
-    out = tl.where(kcol == 0, prev[:, None], DEAD_KEY)
-    for k in tl.static_range(1, TOP_K):
-        # Keys are unique, so "below the previous pick" removes exactly the picked columns.
-        prev = tl.max(tl.where(keys < prev[:, None], keys, DEAD_KEY), axis=1)
-        out = tl.where(kcol == k, prev[:, None], out)
-    return out
+    top = tl.full([values.shape[0], K_PAD], DEAD, tl.int32)
+    top_index = tl.zeros([values.shape[0], K_PAD], tl.int32)
+    for k in tl.static_range(TOP_K):
+        best, position = _pick(values, index, NONE)
+        top = tl.where(kcol == k, best[:, None], top)
+        top_index = tl.where(kcol == k, position[:, None], top_index)
+        if k + 1 < TOP_K:
+            values = tl.where(index == position[:, None], DEAD, values)
+    return top, top_index
+
+
+@triton.jit
+def _group_score(best, second):
+    """Ordered image of (best + second) as floats; +-inf possible, NaN not, -0.0 canonicalised."""
+    total = _unordered(best) + _unordered(second)
+    return _ordered(tl.where(total == 0.0, 0.0, total))
+
+
+@triton.jit
+def _group_limit(
+    values, expert,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
+):
+    """values [R, E_PAD] with the experts outside the best TOPK_GROUP groups set to DEAD."""
+    rows: tl.constexpr = values.shape[0]
+    group_id = tl.arange(0, NG_PAD)[None, :]
+    if GROUP_RESHAPE:
+        # Power-of-two groups tiling E exactly: one [R, G, S] view, reductions along S.
+        grouped = tl.reshape(values, [rows, N_GROUP, GROUP_SIZE])
+        column = tl.reshape(expert, [1, N_GROUP, GROUP_SIZE])
+        best = tl.max(grouped, axis=2)  # [R, G]
+        group_scores = best
+        if GROUP_SIZE > 1:
+            first = tl.min(tl.where(grouped == best[:, :, None], column, E_PAD), axis=2)
+            second = tl.max(tl.where(column == first[:, :, None], DEAD, grouped), axis=2)
+            group_scores = _group_score(best, second)
+        kept_groups = tl.zeros([rows, N_GROUP], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            _, g = _pick(group_scores, group_id, NG_PAD)
+            kept_groups = kept_groups | (group_id == g[:, None])
+            group_scores = tl.where(group_id == g[:, None], DEAD, group_scores)
+        grouped = tl.where(kept_groups[:, :, None], grouped, DEAD)
+        values = tl.reshape(grouped, [rows, E_PAD])
+    else:
+        # Any group size (E=160: 8 groups of 20): one masked pass per group over the padded row.
+        group_of = expert // GROUP_SIZE  # [1, E_PAD]; >= N_GROUP past E
+        group_scores = tl.full([rows, NG_PAD], DEAD, tl.int32)
+        for g in tl.static_range(N_GROUP):
+            member = group_of == g
+            best, first = _pick(tl.where(member, values, DEAD), expert, E_PAD)
+            score = best
+            if GROUP_SIZE > 1:
+                second = tl.max(tl.where(member & (expert != first[:, None]), values, DEAD), axis=1)
+                score = _group_score(best, second)
+            group_scores = tl.where(group_id == g, score[:, None], group_scores)
+        kept = tl.zeros(values.shape, tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            _, g = _pick(group_scores, group_id, NG_PAD)
+            kept = kept | (group_of == g[:, None])
+            group_scores = tl.where(group_id == g[:, None], DEAD, group_scores)
+        values = tl.where(kept, values, DEAD)
+    return values
 
 
 @triton.jit
 def _route_rows(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, health_ptr,
     rows, row_in, row_valid, routed_scaling_factor,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
     N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
+    NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    GROUPED: tl.constexpr, HAS_HEALTH: tl.constexpr, SANITIZE: tl.constexpr, BITONIC: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_HEALTH: tl.constexpr, SANITIZE: tl.constexpr,
 ):
     """Route the rows `rows` [BLOCK_T] and store their outputs; row_in: row < T, row_valid: row <
     num_valid (only those rows are loaded)."""
-    group = tl.arange(0, NG_PAD)[None, :, None]
-    inner = tl.arange(0, GS_PAD)[None, None, :]
-    expert = group * GROUP_SIZE + inner  # [1, NG_PAD, GS_PAD] expert id of each slot
-    in_range = (group < N_GROUP) & (inner < GROUP_SIZE)
+    expert = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+    in_range = expert < NUM_EXPERTS
 
     # int64: row * E passes 2^31 at T = 4.2M, E = 512.
     row_offsets = rows.to(tl.int64) * NUM_EXPERTS
-    load_mask = row_valid[:, None, None] & in_range
-    x = tl.load(logits_ptr + row_offsets[:, None, None] + expert, mask=load_mask, other=0.0)
-    x = x.to(tl.float32)  # [BLOCK_T, NG_PAD, GS_PAD]
+    load_mask = row_valid[:, None] & in_range
+    x = tl.load(logits_ptr + row_offsets[:, None] + expert, mask=load_mask, other=0.0)
+    x = x.to(tl.float32)  # [BLOCK_T, E_PAD]
 
     if HAS_HEALTH:
         bad = (x != x) | (tl.abs(x) == float("inf"))
-        bad_rows = tl.max(tl.max(bad.to(tl.int32), axis=2), axis=1)
+        bad_rows = tl.max(bad.to(tl.int32), axis=1)
         num_bad = tl.sum(tl.where(row_valid, bad_rows, 0).to(tl.int64), axis=0)
         tl.atomic_add(health_ptr + _NONFINITE_ROWS, num_bad, mask=num_bad > 0, sem="relaxed")
 
@@ -133,50 +182,32 @@ def _route_rows(
         scores = tl.sigmoid(x)
     else:
         x = tl.where(in_range, x, float("-inf"))
-        row_max = tl.max(tl.max(x, axis=2), axis=1)  # finite: sanitised logits are finite
-        unnormalised = tl.exp(x - row_max[:, None, None])  # 0 on out-of-range slots
-        inv_sum = 1.0 / tl.sum(tl.sum(unnormalised, axis=2), axis=1)  # sum >= 1
-        scores = unnormalised * inv_sum[:, None, None]
+        row_max = tl.max(x, axis=1)  # finite: sanitised logits are finite
+        unnormalised = tl.exp(x - row_max[:, None])  # 0 on out-of-range columns
+        inv_sum = 1.0 / tl.sum(unnormalised, axis=1)  # sum >= 1
+        scores = unnormalised * inv_sum[:, None]
 
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert, mask=in_range, other=0.0).to(tl.float32)
+        # Loaded as a [BLOCK_T, E_PAD] tile (L1 hits): a [1, E_PAD] load gets a layout with warps
+        # along E, and Triton then reduces every row across warps (shared memory + barriers).
+        bias = tl.load(bias_ptr + (expert + 0 * rows[:, None]), mask=in_range, other=0.0).to(tl.float32)
         select = scores + _sanitize(bias, True)
         select = tl.minimum(tl.maximum(select, -FLT_MAX), FLT_MAX)
-        select = tl.where(select == 0.0, 0.0, select)  # -0.0 -> +0.0: keys must not split a tie
+        select = tl.where(select == 0.0, 0.0, select)  # -0.0 -> +0.0: ordered images must tie
     else:
         select = scores  # >= +0.0 (exp and sigmoid never give -0.0)
 
-    keys = tl.where(in_range, _make_key(select, expert), DEAD_KEY)
-
+    values = tl.where(in_range, _ordered(select), DEAD)  # [BLOCK_T, E_PAD] int32
     if GROUPED:
-        # Group score: sum of the group's two best selection scores (its one score if it has one).
-        best = tl.max(keys, axis=2)  # [BLOCK_T, NG_PAD]
-        group_score = _key_value(best)
-        if GROUP_SIZE > 1:
-            second = tl.max(tl.where(keys < best[:, :, None], keys, DEAD_KEY), axis=2)
-            group_score = group_score + _key_value(second)
-        group_score = tl.where(group_score == 0.0, 0.0, group_score)  # may be +-inf, never NaN
-        group_id = tl.arange(0, NG_PAD)[None, :]
-        group_keys = tl.where(group_id < N_GROUP, _make_key(group_score, group_id), DEAD_KEY)
-        # The TOPK_GROUP-th largest group key; the groups at or above it stay eligible.
-        last_kept = tl.max(group_keys, axis=1)
-        for _ in tl.static_range(1, TOPK_GROUP):
-            last_kept = tl.max(tl.where(group_keys < last_kept[:, None], group_keys, DEAD_KEY), axis=1)
-        kept = group_keys >= last_kept[:, None]
-        keys = tl.where(kept[:, :, None], keys, DEAD_KEY)
-
-    flat = tl.reshape(keys, [keys.shape[0], NG_PAD * GS_PAD])
-    if BITONIC and K_PAD > 1:
-        top = tl.topk(flat, K_PAD)  # [BLOCK_T, K_PAD] descending
-    else:
-        top = _max_chain_topk(flat, K_PAD, TOP_K)
+        values = _group_limit(values, expert, NUM_EXPERTS, E_PAD, N_GROUP, GROUP_SIZE, TOPK_GROUP, NG_PAD,
+                              GROUP_RESHAPE)
+    top, ids = _topk(values, expert, K_PAD, TOP_K, E_PAD)  # [BLOCK_T, K_PAD] each
 
     kcol = tl.arange(0, K_PAD)[None, :]
     slot_mask = row_valid[:, None] & (kcol < TOP_K)
-    ids = _key_index(top)  # [BLOCK_T, K_PAD]
     if HAS_BIAS:
-        # The biased key does not hold the weight; recompute the K unbiased scores from the logits
-        # (cached: this program just read the row), identically to the scores above.
+        # The biased selection does not hold the weight; recompute the K unbiased scores from the
+        # logits (cached: this program just read the row), exactly as the scores above.
         picked = tl.load(logits_ptr + row_offsets[:, None] + ids, mask=slot_mask, other=0.0)
         picked = _sanitize(picked.to(tl.float32), SANITIZE)
         if SIGMOID:
@@ -184,7 +215,7 @@ def _route_rows(
         else:
             weights = tl.exp(picked - row_max[:, None]) * inv_sum[:, None]
     else:
-        weights = _key_value(top)
+        weights = _unordered(top)
     weights = tl.where(slot_mask, weights, 0.0)
     if RENORMALIZE:
         total = tl.sum(weights, axis=1)
@@ -205,15 +236,15 @@ def _router_kernel(
     weights_ptr, ids_ptr, health_ptr,
     # shapes and scalars
     num_tokens, num_valid_count, routed_scaling_factor,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
     N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
+    NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
     # modes
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, GROUPED: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr, HAS_HEALTH: tl.constexpr,
     SANITIZE: tl.constexpr, HAS_PADDING: tl.constexpr,
     # tunable
-    BLOCK_T: tl.constexpr, BITONIC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """One program routes rows [pid * BLOCK_T, pid * BLOCK_T + BLOCK_T) of T = num_tokens.
 
@@ -241,8 +272,8 @@ def _router_kernel(
         _route_rows(
             logits_ptr, bias_ptr, weights_ptr, ids_ptr, health_ptr,
             rows, in_rows, rows < num_valid, routed_scaling_factor,
-            NUM_EXPERTS, TOP_K, K_PAD, N_GROUP, GROUP_SIZE, TOPK_GROUP, NG_PAD, GS_PAD,
-            SIGMOID, HAS_BIAS, RENORMALIZE, GROUPED, HAS_HEALTH, SANITIZE, BITONIC,
+            NUM_EXPERTS, E_PAD, TOP_K, K_PAD, N_GROUP, GROUP_SIZE, TOPK_GROUP, NG_PAD, GROUP_RESHAPE,
+            SIGMOID, HAS_BIAS, RENORMALIZE, GROUPED, HAS_HEALTH, SANITIZE,
         )
     else:
         # Only padding rows here: nothing to load, just the sentinels.
@@ -259,7 +290,6 @@ class RouterConfig:
 
     block_t: int  # rows per program (power of two)
     num_warps: int
-    bitonic: bool  # top-K by tl.topk instead of K max passes (same result)
 
 
 def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int) -> RouterConfig:
@@ -274,7 +304,23 @@ def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int) 
     rows_per_lane_group = 1 if num_tokens <= 256 else 2
     block_t = rows_per_warp * num_warps * rows_per_lane_group
     block_t = max(1, min(block_t, triton.next_power_of_2(max(num_tokens, 1))))
-    return RouterConfig(block_t=block_t, num_warps=num_warps, bitonic=False)
+    return RouterConfig(block_t=block_t, num_warps=num_warps)
+
+
+def candidate_configs(num_tokens: int, num_experts: int, top_k: int, elem_size: int) -> list[RouterConfig]:
+    """The configs the bench's tuning sweep times for one shape (the heuristic's pick first)."""
+    base = _pick_config(num_tokens, num_experts, top_k, elem_size)
+    e_pad = triton.next_power_of_2(num_experts)
+    rows_per_warp = 32 // max(1, min(32, e_pad // max(1, 16 // elem_size)))
+    cap = triton.next_power_of_2(max(num_tokens, 1))
+    configs = [base]
+    for num_warps in (1, 2, 4, 8):
+        for rows_per_lane_group in (1, 2, 4):
+            block_t = min(rows_per_warp * num_warps * rows_per_lane_group, cap)
+            config = RouterConfig(block_t=block_t, num_warps=num_warps)
+            if config not in configs:
+                configs.append(config)
+    return configs
 
 
 def _check_outputs(weights_out: torch.Tensor, ids_out: torch.Tensor, num_tokens: int, top_k: int,
@@ -317,6 +363,7 @@ def _launch(
     topk_group = args.topk_group if grouped else 1
     assert n_group is not None and topk_group is not None
     group_size = num_experts // n_group
+    e_pad = triton.next_power_of_2(num_experts)
     nv_tensor = num_valid.tensor
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
     grid = (triton.cdiv(num_tokens, config.block_t),)  # one program per BLOCK_T rows
@@ -327,15 +374,16 @@ def _launch(
         weights_out, ids_out, health if health is not None else weights_out,
         # shapes and scalars
         num_tokens, nv_count, float(args.routed_scaling_factor),
-        NUM_EXPERTS=num_experts, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
-        NG_PAD=triton.next_power_of_2(n_group), GS_PAD=triton.next_power_of_2(group_size),
+        NG_PAD=triton.next_power_of_2(n_group),
+        GROUP_RESHAPE=e_pad == num_experts and group_size & (group_size - 1) == 0,
         # modes
         SIGMOID=args.scoring == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=args.renormalize,
         GROUPED=grouped, HAS_NUM_VALID_PTR=nv_tensor is not None, HAS_HEALTH=health is not None,
         SANITIZE=sanitize, HAS_PADDING=padding,
         # tunable
-        BLOCK_T=config.block_t, BITONIC=config.bitonic, num_warps=config.num_warps,
+        BLOCK_T=config.block_t, num_warps=config.num_warps,
     )
 
 
