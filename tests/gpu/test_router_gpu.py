@@ -70,8 +70,45 @@ def _route(logits, top_k, *, num_valid=None, health=None, config=None, **kw):
     return (weights, ids), _reference(logits, args, kw.get("bias"), nv)
 
 
+def _near_tie_rows(logits, top_k, rows: torch.Tensor, **kw) -> torch.Tensor:
+    """Of `rows`, those whose selection has a near-tie (gap < 1e-5, recomputed in float64) at the
+    top-K boundary or the kept-groups boundary: there the kernel's fp32 exp/sigmoid (ex2.approx)
+    and torch's may legitimately order two experts differently. Exact ties are not near-ties."""
+    flt_max = torch.finfo(torch.float32).max
+    x = logits[rows].double()
+    x = torch.where(torch.isnan(x), -flt_max, x).clamp(-flt_max, flt_max)
+    scores = torch.softmax(x, -1) if kw.get("scoring", "softmax") == "softmax" else torch.sigmoid(x)
+    bias = kw.get("bias")
+    select = scores if bias is None else scores + bias.double().nan_to_num(nan=-3.4e38)[None]
+    near = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
+
+    def boundary_gap(values: torch.Tensor, k: int) -> torch.Tensor:
+        ordered = values.sort(dim=-1, descending=True).values
+        if k >= values.shape[1]:
+            return torch.zeros_like(ordered[:, 0], dtype=torch.bool)
+        gap = ordered[:, k - 1] - ordered[:, k]
+        return (gap > 0) & (gap < 1e-5)
+
+    if kw.get("n_group"):
+        groups = select.view(len(rows), kw["n_group"], -1)
+        group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
+        near |= boundary_gap(group_scores, kw["topk_group"])
+    near |= boundary_gap(select, top_k)
+    return rows[near]
+
+
 def _check(logits, top_k, what, **kw) -> None:
     (weights, ids), (ref_weights, ref_ids) = _route(logits, top_k, **kw)
+    differ = torch.nonzero((ids != ref_ids).any(dim=1)).flatten()
+    if differ.numel():
+        allowed = _near_tie_rows(logits, top_k, differ, **kw)
+        keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+        keep[allowed] = False
+        if allowed.numel():
+            print(f"{what}: {allowed.numel()} row(s) with a float64 near-tie (< 1e-5) excluded: "
+                  f"{allowed[:8].tolist()}")
+        assert allowed.numel() <= max(1, ids.shape[0] // 100), f"{what}: too many near-tie rows"
+        ids, ref_ids, weights, ref_weights = ids[keep], ref_ids[keep], weights[keep], ref_weights[keep]
     assert_equal(ids, ref_ids, what=f"{what} ids")
     assert_close(weights, ref_weights, dtype=torch.float32, what=f"{what} weights")
 
@@ -134,9 +171,7 @@ def test_large_t_2m_rows():
     nv = torch.tensor(num_tokens - 3, device="cuda")
     kw = {"scoring": "sigmoid", "bias": torch.linspace(-0.01, 0.01, num_experts, device="cuda"),
           "n_group": 8, "topk_group": 4}
-    (weights, ids), (ref_weights, ref_ids) = _route(logits, top_k, num_valid=nv, health=health, **kw)
-    assert_equal(ids, ref_ids, what="2M rows ids")
-    assert_close(weights, ref_weights, dtype=torch.float32, what="2M rows weights")
+    _check(logits, top_k, "2M rows", num_valid=nv, health=health, **kw)
     assert int(health[NONFINITE_ROWS]) == 1 and int(health[PADDED_ROWS]) == 3
 
 
