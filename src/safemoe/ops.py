@@ -16,21 +16,19 @@ kernels they launch.
 (`num_valid_count`), at most one set; `split_num_valid` converts the public form. A Python object
 cannot cross a custom-op boundary, so a `Workspace` is passed as the integer id under which
 `register_workspace` filed it (-1: none). The health tensor is a mutated argument of the
-`_counted` flavour. Each op returns
-new tensors (never an alias of an input), so functionalization has nothing to undo.
+`_counted` flavour. Each op returns new tensors (never an alias of an input), so
+functionalization has nothing to undo. Schemas are written out, not inferred from annotations.
 
 The bodies call the public ops (`safemoe.route`, `safemoe.experts`): every argument check and the
 backend choice live there, once.
 """
 
-# torch.library infers each op's schema from these annotations; `typing.Optional` is the spelling
-# every supported torch release (2.6 to 2.13) understands, so keep it over `X | None`.
-# ruff: noqa: UP045
+from __future__ import annotations
 
 import functools
 import inspect
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -39,7 +37,7 @@ from safemoe.padding import zero_padding_ as _zero_padding_public
 from safemoe.routing import Routing
 from safemoe.routing import route as _route_public
 
-_WORKSPACES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_WORKSPACES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _STRONG_WORKSPACES: dict[int, Any] = {}
 
 
@@ -80,7 +78,7 @@ def experts_supports_workspace() -> bool:
     return _accepts_workspace(_experts_public)
 
 
-def split_num_valid(num_valid: int | torch.Tensor | None) -> tuple[Optional[torch.Tensor], Optional[int]]:
+def split_num_valid(num_valid: int | torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
     """Public `num_valid` -> (tensor, count) for the ops: at most one is not None."""
     if num_valid is None:
         return None, None
@@ -93,8 +91,19 @@ def split_num_valid(num_valid: int | torch.Tensor | None) -> tuple[Optional[torc
     return None, num_valid
 
 
-def _join_num_valid(tensor: Optional[torch.Tensor], count: Optional[int]) -> int | torch.Tensor | None:
+def _join_num_valid(tensor: torch.Tensor | None, count: int | None) -> int | torch.Tensor | None:
     return tensor if tensor is not None else count
+
+
+# Argument lists of the ops (schemas written out: each op comes in two flavours sharing them).
+_ROUTE_ARGS = (
+    "Tensor logits, SymInt top_k, str scoring, bool renormalize, Tensor? bias, SymInt? n_group, "
+    "SymInt? topk_group, float routed_scaling_factor, Tensor? num_valid, SymInt? num_valid_count, str backend"
+)
+_EXPERTS_ARGS = (
+    "Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, str activation, Tensor? num_valid, "
+    "SymInt? num_valid_count, str backend, SymInt workspace_id"
+)
 
 
 def _route_impl(
@@ -102,14 +111,14 @@ def _route_impl(
     top_k: int,
     scoring: str,
     renormalize: bool,
-    bias: Optional[torch.Tensor],
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    bias: torch.Tensor | None,
+    n_group: int | None,
+    topk_group: int | None,
     routed_scaling_factor: float,
-    num_valid: Optional[torch.Tensor],
-    num_valid_count: Optional[int],
+    num_valid: torch.Tensor | None,
+    num_valid_count: int | None,
     backend: str,
-    health: Optional[torch.Tensor],
+    health: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     routing = _route_public(
         logits,
@@ -134,11 +143,11 @@ def _experts_impl(
     weights: torch.Tensor,
     ids: torch.Tensor,
     activation: str,
-    num_valid: Optional[torch.Tensor],
-    num_valid_count: Optional[int],
+    num_valid: torch.Tensor | None,
+    num_valid_count: int | None,
     backend: str,
     workspace_id: int,
-    health: Optional[torch.Tensor],
+    health: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kwargs: dict[str, Any] = {}
     workspace = lookup_workspace(workspace_id)
@@ -157,52 +166,6 @@ def _experts_impl(
     )
 
 
-# Each op comes in two flavours, without and with a (required, mutated) health tensor: inductor
-# (torch 2.13) fails to lower a single-output op whose Optional mutated argument is None
-# ("getitem is not an OpOverload"), so the counter is never an Optional mutated argument.
-
-
-@torch.library.custom_op("safemoe::route", mutates_args=())
-def _route_op(
-    logits: torch.Tensor,
-    top_k: int,
-    scoring: str,
-    renormalize: bool,
-    bias: Optional[torch.Tensor],
-    n_group: Optional[int],
-    topk_group: Optional[int],
-    routed_scaling_factor: float,
-    num_valid: Optional[torch.Tensor],
-    num_valid_count: Optional[int],
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _route_impl(
-        logits, top_k, scoring, renormalize, bias, n_group, topk_group, routed_scaling_factor,
-        num_valid, num_valid_count, backend, None,
-    )  # fmt: skip
-
-
-@torch.library.custom_op("safemoe::route_counted", mutates_args=("health",))
-def _route_counted_op(
-    logits: torch.Tensor,
-    top_k: int,
-    scoring: str,
-    renormalize: bool,
-    bias: Optional[torch.Tensor],
-    n_group: Optional[int],
-    topk_group: Optional[int],
-    routed_scaling_factor: float,
-    num_valid: Optional[torch.Tensor],
-    num_valid_count: Optional[int],
-    backend: str,
-    health: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _route_impl(
-        logits, top_k, scoring, renormalize, bias, n_group, topk_group, routed_scaling_factor,
-        num_valid, num_valid_count, backend, health,
-    )  # fmt: skip
-
-
 def _route_fake(logits, top_k, *args):  # type: ignore[no-untyped-def]
     num_tokens = logits.shape[0]
     weights = logits.new_empty((num_tokens, top_k), dtype=torch.float32)  # [T, K] float32
@@ -210,65 +173,37 @@ def _route_fake(logits, top_k, *args):  # type: ignore[no-untyped-def]
     return weights, ids
 
 
-_route_op.register_fake(_route_fake)
-_route_counted_op.register_fake(_route_fake)
-
-
-@torch.library.custom_op("safemoe::experts", mutates_args=())
-def _experts_op(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    activation: str,
-    num_valid: Optional[torch.Tensor],
-    num_valid_count: Optional[int],
-    backend: str,
-    workspace_id: int,
-) -> torch.Tensor:
-    return _experts_impl(
-        x, w13, w2, weights, ids, activation, num_valid, num_valid_count, backend, workspace_id, None
-    )
-
-
-@torch.library.custom_op("safemoe::experts_counted", mutates_args=("health",))
-def _experts_counted_op(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    activation: str,
-    num_valid: Optional[torch.Tensor],
-    num_valid_count: Optional[int],
-    backend: str,
-    workspace_id: int,
-    health: torch.Tensor,
-) -> torch.Tensor:
-    return _experts_impl(
-        x, w13, w2, weights, ids, activation, num_valid, num_valid_count, backend, workspace_id, health
-    )
-
-
 def _experts_fake(x, *args):  # type: ignore[no-untyped-def]
     return torch.empty_like(x)  # [T, H] in x's dtype
 
 
-_experts_op.register_fake(_experts_fake)
-_experts_counted_op.register_fake(_experts_fake)
+# Each op comes in two flavours, without and with a (required, mutated) health tensor: inductor
+# (torch 2.13) fails to lower a single-output op whose Optional mutated argument is None
+# ("getitem is not an OpOverload"), so the counter is never an Optional mutated argument.
+for _name, _impl, _fake, _args, _returns in (
+    ("route", _route_impl, _route_fake, _ROUTE_ARGS, "(Tensor, Tensor)"),
+    ("experts", _experts_impl, _experts_fake, _EXPERTS_ARGS, "Tensor"),
+):
+    for _suffix, _mutates, _extra in (("", (), ""), ("_counted", ("health",), ", Tensor(a!) health")):
+        _op = torch.library.custom_op(
+            f"safemoe::{_name}{_suffix}",
+            _impl,
+            mutates_args=_mutates,
+            schema=f"({_args}{_extra}) -> {_returns}",
+        )
+        _op.register_fake(_fake)
 
 
-@torch.library.custom_op("safemoe::zero_padding_", mutates_args=("t",))
-def _zero_padding_op(
-    t: torch.Tensor, num_valid: Optional[torch.Tensor], num_valid_count: Optional[int]
-) -> None:
+def _zero_padding_impl(t: torch.Tensor, num_valid: torch.Tensor | None, num_valid_count: int | None) -> None:
     _zero_padding_public(t, _join_num_valid(num_valid, num_valid_count))
 
 
-@_zero_padding_op.register_fake
-def _zero_padding_fake(t, num_valid, num_valid_count):  # type: ignore[no-untyped-def]
-    return None
+torch.library.custom_op(
+    "safemoe::zero_padding_",
+    _zero_padding_impl,
+    mutates_args=("t",),
+    schema="(Tensor(a!) t, Tensor? num_valid, SymInt? num_valid_count) -> ()",
+).register_fake(lambda t, num_valid, num_valid_count: None)
 
 
 def route(
