@@ -68,39 +68,35 @@ Tiles = tuple[int, int, int, int]  # (block_n, block_k, num_warps, num_stages)
 # Decode (<= 16 rows per expert): the GEMMs stream weights; narrow N tiles give many programs and
 # long K tiles keep bytes in flight.
 DECODE_G1: list[Tiles] = [
-    (16, 256, 4, 4),
     (32, 128, 4, 4),
+    (16, 128, 4, 4),
+    (16, 128, 4, 6),
+    (16, 256, 4, 4),
     (32, 256, 4, 3),
     (32, 128, 4, 6),
+    (32, 64, 4, 8),
     (64, 128, 4, 4),
     (64, 64, 4, 6),
-    (64, 256, 8, 3),
 ]
 DECODE_G2: list[Tiles] = [
+    (64, 64, 4, 6),
     (32, 128, 4, 4),
+    (32, 128, 4, 6),
+    (32, 64, 4, 8),
     (64, 128, 4, 4),
+    (64, 128, 4, 6),
     (64, 256, 4, 3),
     (128, 64, 4, 4),
     (128, 128, 8, 3),
-    (32, 256, 4, 4),
-    (64, 64, 4, 6),
 ]
-MID_G1: list[Tiles] = [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3)]
-MID_G2: list[Tiles] = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
-PREFILL_G1: list[Tiles] = [
-    (64, 64, 4, 4),
-    (64, 64, 8, 4),
-    (128, 64, 8, 3),
-    (128, 64, 8, 4),
-    (128, 32, 8, 4),
-    (64, 128, 8, 3),
-]
+MID_G1: list[Tiles] = [(64, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3)]
+MID_G2: list[Tiles] = [(128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3)]
+PREFILL_G1: list[Tiles] = [(128, 64, 8, 4), (64, 64, 8, 4), (128, 64, 8, 3), (128, 32, 8, 4), (64, 128, 8, 3)]
 PREFILL_G2: list[Tiles] = [
+    (256, 64, 8, 3),
     (128, 64, 8, 3),
     (128, 64, 8, 4),
-    (256, 64, 8, 3),
     (128, 128, 8, 3),
-    (64, 64, 4, 4),
     (256, 32, 8, 4),
 ]
 
@@ -119,20 +115,32 @@ def regimes(num_tokens: int, num_experts: int, top_k: int) -> list[tuple[int, li
     return [(128, PREFILL_G1, PREFILL_G2, 8), (64, PREFILL_G1, PREFILL_G2, 8)]
 
 
-def _tiles(t: Tiles, group_m: int) -> GemmTiles:
-    return GemmTiles(block_n=t[0], block_k=t[1], group_m=group_m, num_warps=t[2], num_stages=t[3])
+def _tiles(t: Tiles, group_m: int, tma: bool = False) -> GemmTiles:
+    return GemmTiles(block_n=t[0], block_k=t[1], group_m=group_m, num_warps=t[2], num_stages=t[3], tma=tma)
 
 
-def candidate_plan(num_tokens: int, num_experts: int, top_k: int) -> list[tuple[int, ExpertsConfig, str]]:
-    """(regime index, config, which sweep) for every config timed at this T; the first GEMM1 and
-    GEMM2 of each list are the base tiles."""
+def _pdl(num_tokens: int) -> bool:
+    # Programmatic dependent launch overlaps each launch with the previous kernel's tail: worth it
+    # where launches are a visible share (run 1 on an H200 picked it at most decode points, and
+    # it was within noise elsewhere), so every decode candidate uses it, none of the others.
+    from safemoe.kernels.dispatch import pdl_supported
+
+    return num_tokens <= PDL_MAX_TOKENS and pdl_supported()
+
+
+def candidate_plan(num_tokens: int, num_experts: int, top_k: int) -> list[ExpertsConfig]:
+    """Every config whose kernels the search may time at this T (for precompiling): per BLOCK_M,
+    GEMM1 candidates with the base GEMM2, GEMM2 candidates with the base GEMM1, each also with
+    TMA weight loads (kernels compile per GEMM, so these cover every combination searched)."""
     plan = []
-    for index, (block_m, g1s, g2s, group_m) in enumerate(regimes(num_tokens, num_experts, top_k)):
+    pdl = _pdl(num_tokens)
+    for block_m, g1s, g2s, group_m in regimes(num_tokens, num_experts, top_k):
         base1, base2 = _tiles(g1s[0], group_m), _tiles(g2s[0], group_m)
-        for t in g1s:
-            plan.append((index, ExpertsConfig(block_m, _tiles(t, group_m), base2), "gemm1"))
-        for t in g2s[1:]:
-            plan.append((index, ExpertsConfig(block_m, base1, _tiles(t, group_m)), "gemm2"))
+        for tma in (False, True):
+            for t in g1s:
+                plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, pdl=pdl))
+            for t in g2s:
+                plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma), pdl=pdl))
     return plan
 
 
@@ -188,29 +196,21 @@ def _compile_task(task: tuple[str, int, list[dict[str, Any]]]) -> list[str]:
 def compile_tasks(
     names: list[str], tokens_of: dict[str, tuple[int, ...]]
 ) -> list[tuple[str, int, list[dict]]]:
-    """Each distinct GEMM variant once (at the first T that times it), 3 configs a task; then one
-    config per (shape, T, BLOCK_M) for the small kernels specialised on T (count, scatter, combine)."""
-    gemm_tasks, small_tasks = [], []
+    """Each distinct config once (at the first T that times it), 3 configs a task."""
+    tasks = []
     for name in names:
         num_experts, top_k, _, _ = SHAPES[name]
         seen: set[str] = set()
         for num_tokens in tokens_of[name]:
-            plan = candidate_plan(num_tokens, num_experts, top_k)
             fresh = []
-            for _, cfg, _ in plan:
+            for cfg in candidate_plan(num_tokens, num_experts, top_k):
                 key = json.dumps(cfg.to_json(), sort_keys=True)
                 if key not in seen:
                     seen.add(key)
                     fresh.append(cfg.to_json())
-            if num_tokens <= PDL_MAX_TOKENS and plan:
-                fresh.append(dict(plan[0][1].to_json(), pdl=True))
             for i in range(0, len(fresh), 3):
-                gemm_tasks.append((name, num_tokens, fresh[i : i + 3]))
-            firsts = {}
-            for index, cfg, _ in plan:
-                firsts.setdefault(index, cfg.to_json())
-            small_tasks.append((name, num_tokens, list(firsts.values())))
-    return gemm_tasks + small_tasks
+                tasks.append((name, num_tokens, fresh[i : i + 3]))
+    return tasks
 
 
 def precompile(tasks: list[tuple[str, int, list[dict[str, Any]]]], jobs: int) -> list[str]:
@@ -296,6 +296,19 @@ class Case:
 
         return run
 
+    def check(self, cfg: ExpertsConfig) -> float:
+        """Frobenius-relative error of this config against the reference on input set 0."""
+        from safemoe.reference import experts_reference
+
+        self.step(cfg)(0)
+        ref = experts_reference(
+            self.xs[0], self.w13, self.w2, self.weights[0], self.ids[0], activation="silu"
+        )
+        out = self.outs[0].float()
+        if not bool(torch.isfinite(out).all()):
+            return float("inf")
+        return float((out - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
     def time(self, cfg: ExpertsConfig, stages: str = "all", est_us: float | None = None) -> float:
         from safemoe.bench.harness import time_graph
 
@@ -318,43 +331,61 @@ def make_weights(name: str, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[ExpertsConfig, float] | None:
+    """Coordinate descent per BLOCK_M (GEMM1 tiles, then GEMM2 tiles, then TMA for each), then
+    the persistent grid's programs per SM; the fastest config that also checks out wins."""
     num_experts, top_k, _, _ = SHAPES[case.name]
-    best: tuple[ExpertsConfig, float] | None = None
+    pdl = _pdl(case.num_tokens)
+    results: list[tuple[float, ExpertsConfig]] = []
     est: float | None = None
-    for index, (block_m, g1s, g2s, group_m) in enumerate(regimes(case.num_tokens, num_experts, top_k)):
-        base2 = _tiles(g2s[0], group_m)
-        best1: tuple[GemmTiles, float] | None = None
-        for t in g1s:
-            if time.time() > deadline:
-                break
-            cfg = ExpertsConfig(block_m, _tiles(t, group_m), base2)
-            us = _timed(case, cfg, log, "gemm1", est)
-            if us is not None:
-                est = us if est is None else min(est, us)
-                if best1 is None or us < best1[1]:
-                    best1 = (cfg.gemm1, us)
-        if best1 is None:
-            continue
-        best_here = (ExpertsConfig(block_m, best1[0], base2), best1[1])
-        for t in g2s[1:]:
-            if time.time() > deadline:
-                break
-            cfg = ExpertsConfig(block_m, best1[0], _tiles(t, group_m))
-            us = _timed(case, cfg, log, "gemm2", est)
-            if us is not None and us < best_here[1]:
-                best_here = (cfg, us)
-        if best is None or best_here[1] < best[1]:
-            best = best_here
-        del index
-    if best is not None and case.num_tokens <= PDL_MAX_TOKENS and time.time() < deadline:
-        from safemoe.kernels.dispatch import pdl_supported
 
-        if pdl_supported():
-            cfg = replace(best[0], pdl=True)
-            us = _timed(case, cfg, log, "pdl", est)
-            if us is not None and us < best[1]:
-                best = (cfg, us)
-    return best
+    def trial(cfg: ExpertsConfig, sweep: str) -> float | None:
+        nonlocal est
+        if time.time() > deadline:
+            return None
+        us = _timed(case, cfg, log, sweep, est)
+        if us is not None:
+            est = us if est is None else min(est, us)
+            results.append((us, cfg))
+        return us
+
+    for block_m, g1s, g2s, group_m in regimes(case.num_tokens, num_experts, top_k):
+        base2 = _tiles(g2s[0], group_m)
+        timed1 = [
+            (trial(ExpertsConfig(block_m, _tiles(t, group_m), base2, pdl=pdl), "gemm1"), t) for t in g1s
+        ]
+        timed1 = [(us, t) for us, t in timed1 if us is not None]
+        if not timed1:
+            continue
+        best1 = _tiles(min(timed1)[1], group_m)
+        timed2 = [(min(timed1)[0], g2s[0])]
+        for t in g2s[1:]:
+            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m), pdl=pdl), "gemm2")
+            if us is not None:
+                timed2.append((us, t))
+        best2 = _tiles(min(timed2)[1], group_m)
+        base = ExpertsConfig(block_m, best1, best2, pdl=pdl)
+        base_us = min(timed2)[0]
+        tma1 = replace(base, gemm1=replace(best1, tma=True))
+        tma2 = replace(base, gemm2=replace(best2, tma=True))
+        us1, us2 = trial(tma1, "tma1"), trial(tma2, "tma2")
+        if us1 is not None and us2 is not None and us1 < base_us and us2 < base_us:
+            trial(replace(tma1, gemm2=tma2.gemm2), "tma12")
+    if not results:
+        return None
+    results.sort(key=lambda r: r[0])
+    if case.num_tokens >= 1024:
+        for programs in (1, 2, 8):
+            trial(replace(results[0][1], programs_per_sm=programs), "programs")
+        results.sort(key=lambda r: r[0])
+    for us, cfg in results[:3]:
+        error = case.check(cfg)
+        log.append({"shape": case.name, "T": case.num_tokens, "check": cfg.to_json(), "rel_error": error})
+        if error < 1e-2:
+            return cfg, us
+        print(
+            f"  {case.name} T={case.num_tokens}: rejected (rel error {error:.3g}) {json.dumps(cfg.to_json())}"
+        )
+    return None
 
 
 def _timed(
@@ -458,8 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         "uniform routing sets, bf16, num_valid as a device tensor",
         "configs": winners,
     }
-    tag = device_name.replace(" ", "_")
-    (args.out / f"tune_{tag}.json").write_text(
+    (args.out / "tune_log.json").write_text(
         json.dumps({**payload, "breakdown": breakdown, "log": log}, indent=1) + "\n"
     )
     if args.write:

@@ -130,3 +130,17 @@ def test_poisoned_workspace_and_reuse() -> None:
     for num_tokens in (256, 3, 129):
         ids = _routing_ids(num_tokens, 4, 16, gen)
         _check_layout(ids, 16, NumValid(num_tokens, None), 32, ws=ws)
+
+
+@pytest.mark.parametrize("num_valid", [1, 256, 257])
+def test_one_valid_chunk_in_a_multi_chunk_grid(num_valid: int) -> None:
+    """T*K past one chunk but num_valid*K <= CHUNK (device tensor): program 0 alone builds the
+    layout and the scatter launch returns at once; 256 * 4 is exactly one chunk, 257 * 4 is not."""
+    gen = torch.Generator().manual_seed(num_valid)
+    num_tokens, top_k, num_experts = 700, 4, 16
+    ids = _routing_ids(num_tokens, top_k, num_experts, gen)
+    ids[num_valid:] = STALE_ID
+    assert num_tokens * top_k > CHUNK and 256 * top_k == CHUNK
+    health = new_health_tensor()
+    ws = Workspace(num_tokens, num_experts, top_k, 16, 16, torch.float32, "cpu")
+    _check_layout(ids, num_experts, NumValid(None, torch.tensor(num_valid)), 32, ws=ws, health=health)

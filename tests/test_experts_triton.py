@@ -61,15 +61,42 @@ def test_matches_reference(dtype: torch.dtype, activation: str) -> None:
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
-def test_block_sizes_and_k_tails(block_m: int) -> None:
-    """Every BLOCK_M, H not a multiple of BLOCK_K (masked K tail) and I not a multiple of BLOCK_N."""
+@pytest.mark.parametrize("tma", [False, True])
+def test_block_sizes_and_k_tails(block_m: int, tma: bool) -> None:
+    """Every BLOCK_M, H not a multiple of BLOCK_K (masked K tail) and I not a multiple of BLOCK_N,
+    weights through pointers and through TMA descriptors (zero-filled past H)."""
     gen = torch.Generator().manual_seed(block_m)
     num_tokens, num_experts, top_k, hidden, inter = 70, 4, 2, 80, 40
     w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
     x = torch.randn(num_tokens, hidden, generator=gen)
     weights, ids = _routing(num_tokens, top_k, num_experts, gen)
-    out = _run(x, w13, w2, weights, ids, config=_config(block_m, block_k=64))
+    tiles = GemmTiles(block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, tma=tma)
+    out = _run(x, w13, w2, weights, ids, config=ExpertsConfig(block_m, tiles, tiles))
     assert_close(out, experts_reference(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("num_valid", [0, 1, 8, 9, 299])
+def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
+    """num_valid <= 8 in a batch whose own tiles differ: the small-batch layout and GEMMs run (the
+    main ones find no M-block), chosen on the device; results match either way."""
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS
+
+    gen = torch.Generator().manual_seed(num_valid)
+    num_tokens, num_experts, top_k, hidden, inter = 300, 8, 2, 32, 32
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    x[num_valid:] = math.nan
+    ids[num_valid:] = garbage_ids(num_tokens - num_valid, top_k, num_experts, generator=gen)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
+    out = _run(x, w13, w2, weights, ids, num_valid=NumValid(None, torch.tensor(num_valid)), workspace=ws,
+               out=poisoned(x.shape, torch.float32))
+    expected = experts_reference(x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None))
+    assert_close(out, expected)
+    assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+    blocks = ws.views(num_tokens, num_experts, top_k, hidden, inter).num_blocks
+    small = num_valid <= SMALL_BATCH_TOKENS
+    assert (int(blocks[1]) > 0) == (small and num_valid > 0) and (int(blocks[0]) > 0) == (not small)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 7, 17, 127, 128, 129, 255, 256, 257])

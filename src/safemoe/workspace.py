@@ -12,8 +12,9 @@ Sizes, with S = max_tokens * K slots and BM = MAX_BLOCK_M:
 - capacity = S + min(E, S) * (BM - 1): expert-sorted positions with each expert padded to a
   multiple of BLOCK_M (each used expert wastes at most BLOCK_M - 1 positions).
 - sorted_slots [capacity] int32, intermediate [capacity, I] (x's dtype), y [S, H] (x's dtype).
-- counts, cursor, block_end [E] int32 (counts padded to a power of two for the histogram), ticket,
-  num_blocks: int32 scalars.
+- counts, cursor, block_end [E] int32 (counts padded to a power of two for the histogram), ticket
+  (int32), num_blocks [2] int32 (M-blocks of the layout for the batch's tiles, and of the layout
+  for the small-batch tiles; the one not used in a call is 0).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def max_m_blocks(num_tokens: int, num_experts: int, top_k: int, block_m: int) ->
 
 
 def _meta_elems(num_experts: int) -> int:
-    # counts (num_bins) | ticket | num_blocks | cursor (E) | block_end (E)
-    return num_bins(num_experts) + 2 + 2 * num_experts
+    # counts (num_bins) | ticket | num_blocks (2) | cursor (E) | block_end (E)
+    return num_bins(num_experts) + 3 + 2 * num_experts
 
 
 def workspace_bytes(max_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
@@ -64,7 +65,7 @@ class WorkspaceViews:
 
     counts: torch.Tensor  # [num_bins] int32, zero between calls
     ticket: torch.Tensor  # [1] int32, zero between calls
-    num_blocks: torch.Tensor  # [1] int32: M-blocks in use this call
+    num_blocks: torch.Tensor  # [2] int32: M-blocks in use for the main tiles, for the small-batch tiles
     cursor: torch.Tensor  # [E] int32: next free position of each expert while scattering
     block_end: torch.Tensor  # [E] int32: inclusive prefix sum of each expert's M-blocks
     sorted_slots: torch.Tensor  # [capacity] int32: slot s = t*K + k, or -1 in padding positions
@@ -146,15 +147,15 @@ class Workspace:
         bins = num_bins(self.num_experts)  # the histogram of a smaller E still fits in these bins
         e = num_experts
         idx = self._index
-        meta = bins + 2 + 2 * self.num_experts
+        meta = bins + 3 + 2 * self.num_experts
         cap = capacity(num_tokens, num_experts, top_k)
         slots = num_tokens * top_k
         return WorkspaceViews(
             counts=idx[:bins],
             ticket=idx[bins : bins + 1],
-            num_blocks=idx[bins + 1 : bins + 2],
-            cursor=idx[bins + 2 : bins + 2 + e],
-            block_end=idx[bins + 2 + self.num_experts : bins + 2 + self.num_experts + e],
+            num_blocks=idx[bins + 1 : bins + 3],
+            cursor=idx[bins + 3 : bins + 3 + e],
+            block_end=idx[bins + 3 + self.num_experts : bins + 3 + self.num_experts + e],
             sorted_slots=idx[meta : meta + cap],
             intermediate=self._data[: cap * inter].view(cap, inter),
             y=self._data[cap * inter : cap * inter + slots * hidden].view(slots, hidden),

@@ -239,6 +239,49 @@ def test_small_graph_replay_with_num_valid_changed() -> None:
     assert int(health[DROPPED_SLOTS]) == 0
 
 
+def test_small_pdl_and_tma_configs_in_graph() -> None:
+    """Programmatic dependent launch and TMA weight loads, captured in a graph and replayed with a
+    changed num_valid: the same bits as plain launches (PDL) and close to pointer loads (TMA)."""
+    from safemoe.configs import ExpertsConfig, GemmTiles
+    from safemoe.workspace import Workspace
+
+    num_tokens, num_experts, top_k, hidden, inter = 200, 16, 4, 256, 192
+    w13, w2 = _weights(num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = _routing(num_tokens, top_k, num_experts)
+    nv = torch.tensor(num_tokens, device=DEVICE, dtype=torch.int32)
+    plain = ExpertsConfig(32, GemmTiles(64, 64, 4, 4, 3), GemmTiles(64, 64, 4, 4, 3))
+    variants = {
+        "plain": plain,
+        "pdl": ExpertsConfig(32, plain.gemm1, plain.gemm2, pdl=True),
+        "tma": ExpertsConfig(32, GemmTiles(64, 64, 4, 4, 3, tma=True), GemmTiles(64, 64, 4, 4, 3, tma=True),
+                             pdl=True),
+    }
+    for count in (num_tokens, 3):
+        nv.fill_(count)
+        results = {}
+        for name, cfg in variants.items():
+            ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, DEVICE)
+            out = torch.empty_like(x)
+
+            def step(cfg=cfg, ws=ws, out=out) -> None:
+                _run(x, w13, w2, weights, ids, num_valid=nv, workspace=ws, out=out, config=cfg)
+
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            out.fill_(math.nan)
+            graph.replay()
+            torch.cuda.synchronize()
+            results[name] = out.clone()
+        assert_equal(results["pdl"], results["plain"], what=f"pdl vs plain, num_valid={count}")
+        _check_rel(results["tma"][:count], results["plain"][:count], f"tma vs pointers, num_valid={count}",
+                   tol=1e-3)
+        ref = _reference(x, w13, w2, weights, ids, num_valid=count)
+        _check_rel(results["plain"][:count], ref[:count], f"plain num_valid={count}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Real model shapes and large token counts
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ for a padded batch and an unpadded one of the same T. Tuned entries live in
      "configs": {"E128_H2048_I768_K8_bfloat16": {"1": {"block_m": 16, "gemm1": {...}, ...}}}}
 
 Token buckets are powers of two (T rounds up). A shape with entries but none for its bucket uses
-the nearest tuned bucket at or below it (tiles for many tokens stay good for more), else the
-nearest above; a shape with no entry at all uses `heuristic_config`.
+the nearest tuned bucket if it is at most one octave away (the smaller on a tie), else, like a
+shape with no entry at all, `heuristic_config`.
 """
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ _CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl")
 @dataclass(frozen=True)
 class GemmTiles:
     """Tiles of one expert GEMM. block_n spans the output columns (I for GEMM1, whose gate and up
-    halves each get a block_n-wide accumulator; H for GEMM2), block_k the reduction."""
+    halves each get a block_n-wide accumulator; H for GEMM2), block_k the reduction. With `tma`
+    the weight tiles come through TMA descriptors where the shape allows (rows of 16-byte
+    multiples), else through pointer loads."""
 
     block_n: int
     block_k: int
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # weight tiles through TMA descriptors (Hopper+; else pointer loads)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,10 @@ def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k
     buckets = table.get(shape_key(num_experts, hidden, inter, top_k, dtype))
     if buckets:
         bucket = token_bucket(num_tokens)
-        below = [b for b in buckets if b <= bucket]
-        chosen = max(below) if below else min(buckets)
-        return buckets[chosen]
+        # Nearest tuned bucket within one octave (ties to the smaller); further away the tiles
+        # of another regime (decode vs prefill) would be used, which the heuristic beats.
+        octaves = {b: abs(b.bit_length() - bucket.bit_length()) for b in buckets}
+        chosen = min(buckets, key=lambda b: (octaves[b], b))
+        if octaves[chosen] <= 1:
+            return buckets[chosen]
     return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)

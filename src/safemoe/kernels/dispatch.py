@@ -11,14 +11,15 @@ inside one expert):
   owns positions [BLOCK_M * (block_end[e-1]), BLOCK_M * block_end[e]): its served slots first (in
   an unspecified order: positions come from atomics), then -1 in the padding positions. Positions
   at or past num_blocks * BLOCK_M are not written and must not be read.
-- Two launches whatever T is, one when a single chunk covers every slot (T*K <= 4096): `count`
+- Two launches whatever T is, one when a single chunk covers every slot (T*K <= CHUNK): `count`
   histograms each chunk of slots into `counts` with atomics; the last program to finish (an
   acq_rel ticket) turns the counts into the padded layout, writes the -1 padding and cursor[e] =
   first position of e, and puts `counts` and the ticket back to zero, so a workspace needs no
   clearing between calls. `scatter` then gives each served slot `pos = atomic_add(cursor[e], 1)`.
-  With a single chunk the one program does all of it, from its own histogram, in one launch: the
-  same steps, minus the counters and the ticket (one launch and two dependent atomic round trips
-  fewer at decode, where they are a visible share of the time). Grids depend on T only;
+  When the valid slots fit one chunk (num_valid * K <= CHUNK, decided on the device) program 0
+  does all of it from its own histogram: the same steps minus the counters and the ticket, and
+  the scatter kernel returns at once (two dependent atomic round trips fewer at decode, and a
+  graph captured for many rows costs little more than decode when few rows are valid). Grids depend on T only;
   programs past the last chunk holding a slot of a valid row return at once, so the work scales
   with num_valid, which may be a device tensor (read on the device, clamped to [0, T]).
 """
@@ -34,9 +35,10 @@ import triton.language as tl
 from safemoe._checks import NumValid
 from safemoe.workspace import WorkspaceViews, capacity, num_bins
 
-# Slots per program of count/scatter: one program covers decode batches (T*K <= 4096), so small T
-# runs count + scan + scatter in a single launch.
-CHUNK = 4096
+# Slots per program of count/scatter. Whenever num_valid * K <= CHUNK (read on the device) one
+# program does count + scan + scatter alone; more programs split larger batches (a 4096-slot
+# chunk per program took 17-41 us at 16-64k slots on an H200, mostly per-program serial work).
+CHUNK = 1024
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
 
 
@@ -94,10 +96,10 @@ def _count_kernel(
     # workspace
     counts_ptr,  # [NUM_BINS] int32, zero on entry and on exit
     ticket_ptr,  # [1] int32, zero on entry and on exit
-    cursor_ptr,  # [E] int32 out: first position of each expert (next free one if SINGLE)
+    cursor_ptr,  # [E] int32 out: first position of each expert (next free one with one chunk)
     block_end_ptr,  # [E] int32 out: inclusive prefix sum of M-blocks per expert
-    num_blocks_ptr,  # [1] int32 out: M-blocks in use
-    sorted_slots_ptr,  # [capacity] int32 out: -1 in padding positions (and the slots if SINGLE)
+    num_blocks_ptr,  # [2] int32 out: M-blocks in use with BLOCK_M, with BLOCK_M_SMALL (one is 0)
+    sorted_slots_ptr,  # [capacity] int32 out: -1 in padding positions (and the slots with one chunk)
     health_ptr,  # [8] int64 (if HAS_HEALTH)
     # shapes
     num_valid_count,
@@ -106,12 +108,13 @@ def _count_kernel(
     TOP_K: tl.constexpr,
     # meta
     BLOCK_M: tl.constexpr,
+    BLOCK_M_SMALL: tl.constexpr,
+    SMALL_SLOTS: tl.constexpr,  # -1: no small-batch layout
     CHUNK: tl.constexpr,
     NUM_BINS: tl.constexpr,
     FILL: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr,
     HAS_HEALTH: tl.constexpr,
-    SINGLE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
@@ -122,19 +125,29 @@ def _count_kernel(
     valid_slots = num_valid * TOP_K
     slots = pid * CHUNK + tl.arange(0, CHUNK)
     bins = tl.arange(0, NUM_BINS)
-    if SINGLE:
-        # One program holds every slot: the histogram in registers is the whole count, so no
-        # counter or ticket is touched; count, scan and scatter run back to back in this launch.
-        expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
-        # Slots that are not served land in bin E, which is dropped.
-        counts = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
-        _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr, sorted_slots_ptr,
-                      BLOCK_M, NUM_BINS, FILL)
-        if HAS_HEALTH:
-            tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
-        # cursor was stored by other threads of this program: order those stores before the atomics.
-        tl.debug_barrier()
-        _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
+    if valid_slots <= CHUNK:
+        # One chunk holds every valid slot (decode, or a padded batch with few valid rows: decided
+        # on the device, so a graph captured for many rows replays few at decode cost). Program 0
+        # does it all from its own histogram: no counter, no ticket, no scatter launch.
+        if pid == 0:
+            expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
+            # Slots that are not served land in bin E, which is dropped.
+            counts = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
+            if valid_slots <= SMALL_SLOTS:
+                # Few valid slots in a batch tuned for many: the small-batch tiles' layout, whose
+                # GEMM launches run while the main ones find 0 blocks (and the reverse otherwise).
+                _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr + 1,
+                              sorted_slots_ptr, BLOCK_M_SMALL, NUM_BINS, FILL)
+                tl.store(num_blocks_ptr, 0)
+            else:
+                _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr,
+                              sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL)
+                tl.store(num_blocks_ptr + 1, 0)
+            if HAS_HEALTH:
+                tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
+            # cursor was stored by other threads of this program: order those stores first.
+            tl.debug_barrier()
+            _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
     else:
         if pid * CHUNK < valid_slots:
             expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
@@ -151,6 +164,7 @@ def _count_kernel(
             counts = tl.atomic_xchg(counts_ptr + bins, 0, mask=bins < num_experts, sem="relaxed")
             _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr,
                           sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL)
+            tl.store(num_blocks_ptr + 1, 0)
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
 
 
@@ -174,7 +188,8 @@ def _scatter_kernel(
     pid = tl.program_id(0)
     num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     valid_slots = num_valid * TOP_K
-    if pid * CHUNK < valid_slots:
+    # With one chunk of valid slots the count kernel scattered them already.
+    if (valid_slots > CHUNK) & (pid * CHUNK < valid_slots):
         slots = pid * CHUNK + tl.arange(0, CHUNK)
         expert, served, _ = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
         _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
@@ -201,9 +216,14 @@ def dispatch_into(
     views: WorkspaceViews,
     health: torch.Tensor | None,
     *,
+    small: tuple[int, int] | None = None,
     use_pdl: bool = False,
 ) -> None:
-    """Build the padded expert-sorted layout for `ids` into the workspace views (no allocation)."""
+    """Build the padded expert-sorted layout for `ids` into the workspace views (no allocation).
+
+    small: (block_m, max slots) of the small-batch tiles: when num_valid * K <= max slots (read on
+    the device) the layout uses that block_m and its count goes to num_blocks[1], else num_blocks[0]
+    (the other one is set to 0)."""
     num_tokens, top_k = ids.shape
     slots = num_tokens * top_k
     if slots == 0:
@@ -211,9 +231,8 @@ def dispatch_into(
     if slots >= 2**31 or capacity(num_tokens, num_experts, top_k) >= 2**31:
         raise ValueError(f"T*K = {slots} slots are past int32 indexing; split the batch")
     grid = triton.cdiv(slots, CHUNK)
-    single = grid == 1
     # A single program takes just the (power-of-two) slots there are: less to histogram at decode.
-    chunk = max(16, triton.next_power_of_2(slots)) if single else CHUNK
+    chunk = max(16, triton.next_power_of_2(slots)) if grid == 1 else CHUNK
     has_nv_ptr = num_valid.tensor is not None
     nv_ptr = num_valid.tensor if has_nv_ptr else ids
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
@@ -223,11 +242,13 @@ def dispatch_into(
         views.counts, views.ticket, views.cursor, views.block_end, views.num_blocks, views.sorted_slots,
         health if health is not None else ids,
         nv_count, num_tokens, num_experts, top_k,
-        BLOCK_M=block_m, CHUNK=chunk, NUM_BINS=num_bins(num_experts), FILL=min(block_m, _PADDING_FILL),
-        HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, SINGLE=single, USE_PDL=use_pdl,
+        BLOCK_M=block_m, BLOCK_M_SMALL=small[0] if small else block_m,
+        SMALL_SLOTS=min(small[1], chunk) if small else -1, CHUNK=chunk, NUM_BINS=num_bins(num_experts),
+        FILL=min(block_m, small[0] if small else block_m, _PADDING_FILL),
+        HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl,
         num_warps=4, **launch_options(use_pdl),
     )
-    if not single:
+    if grid > 1:
         _scatter_kernel[(grid,)](
             ids, nv_ptr, views.cursor, views.sorted_slots,
             nv_count, num_tokens, num_experts, top_k,
@@ -270,7 +291,7 @@ def dispatch_triton(
         ws = Workspace(max(num_tokens, 1), num_experts, top_k, 16, 16, torch.float32, ids.device)
         views = ws.views(num_tokens, num_experts, top_k, 16, 16)
     dispatch_into(ids, num_experts, num_valid, block_m, views, health)
-    used = int(views.num_blocks.item())
+    used = int(views.num_blocks[0].item())
     return DispatchResult(
         block_m=block_m,
         num_blocks=used,

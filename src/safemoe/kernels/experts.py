@@ -32,12 +32,15 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
+from safemoe._triton import interpreter_enabled
 from safemoe.configs import ExpertsConfig, GemmTiles, get_config
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into, launch_options, pdl_supported
 from safemoe.workspace import Workspace, WorkspaceViews, max_m_blocks, num_bins
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2}
+# num_valid at or below this (read on the device) runs the small-batch tiles in a larger batch.
+SMALL_BATCH_TOKENS = 8
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 
 
@@ -71,10 +74,11 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 def _gemm1_kernel(
     # inputs
     x_ptr,  # [T, H]
-    w13_ptr,  # [E, 2I, H]: gate rows [0, I), up rows [I, 2I)
+    w13_arg,  # pointer to [E, 2I, H] (gate rows [0, I), up rows [I, 2I)), or with USE_TMA a
+    #           tensor descriptor over its [E*2I, H] view with [BLOCK_N, BLOCK_K] boxes
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
-    num_blocks_ptr,  # [1] int32
+    num_blocks_ptr,  # [1] int32: M-blocks of this launch's layout (0: nothing to do)
     # outputs
     inter_ptr,  # [capacity, I]
     # shapes
@@ -93,6 +97,7 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
@@ -114,25 +119,41 @@ def _gemm1_kernel(
         w_cols = (cols % inter).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
-        gate_ptrs = w13_ptr + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
-        up_ptrs = gate_ptrs + up_offset
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                g = tl.load(gate_ptrs)
-                u = tl.load(up_ptrs)
-            else:
-                k_ok = ks < hidden - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                g = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-            acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            gate_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
+        if USE_TMA:
+            # Boxes past an expert's rows read the next rows (columns never stored), past the
+            # tensor or past H zeros (the descriptor's bounds).
+            gate_row = expert * 2 * inter + n_block * BLOCK_N
+            for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    k_ok = ks < hidden - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = w13_arg.load([gate_row, k * BLOCK_K])
+                u = w13_arg.load([gate_row + inter, k * BLOCK_K])
+                acc_gate = tl.dot(a, g.T, acc_gate, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a, u.T, acc_up, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+        else:
+            gate_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
+            up_ptrs = gate_ptrs + up_offset
+            for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    g = tl.load(gate_ptrs)
+                    u = tl.load(up_ptrs)
+                else:
+                    k_ok = ks < hidden - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    g = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+                    u = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+                acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                gate_ptrs += BLOCK_K
+                up_ptrs += BLOCK_K
         h = _activation(acc_gate, acc_up, ACTIVATION)
         out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
         tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
@@ -142,11 +163,11 @@ def _gemm1_kernel(
 def _gemm2_kernel(
     # inputs
     inter_ptr,  # [capacity, I]
-    w2_ptr,  # [E, H, I]
+    w2_arg,  # pointer to [E, H, I], or with USE_TMA a descriptor over [E*H, I], [BLOCK_N, BLOCK_K] boxes
     weights_ptr,  # [T, K] float32, indexed by slot
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
-    num_blocks_ptr,  # [1] int32
+    num_blocks_ptr,  # [1] int32: M-blocks of this launch's layout (0: nothing to do)
     # outputs
     y_ptr,  # [T*K, H]
     # shapes
@@ -162,6 +183,7 @@ def _gemm2_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
@@ -182,19 +204,30 @@ def _gemm2_kernel(
         ks = tl.arange(0, BLOCK_K)
         # Padding rows of the intermediate were never written: masked, never read.
         a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + ks[None, :]
-        b_ptrs = w2_ptr + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = ks < inter - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        if USE_TMA:
+            w_row = expert * hidden + n_block * BLOCK_N
+            for k in range(0, tl.cdiv(inter, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < inter - k * BLOCK_K)[None, :], other=0.0)
+                b = w2_arg.load([w_row, k * BLOCK_K])
+                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+        else:
+            b_ptrs = w2_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
+            for k in range(0, tl.cdiv(inter, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_ok = ks < inter - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
         safe_slots = tl.where(row_ok, slots, 0)
         weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
         acc = acc * weight[:, None]
@@ -213,47 +246,99 @@ def _grid_size(tiles: int, device: torch.device, programs_per_sm: int) -> int:
     return max(1, min(tiles, _num_sms(device.index or 0) * programs_per_sm))
 
 
+@functools.lru_cache(maxsize=1)
+def _tensor_descriptor_class() -> type | None:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+def _use_tma(weight: torch.Tensor, tiles: GemmTiles) -> bool:
+    """TMA boxes need a descriptor class, 16-byte aligned rows and base, and boxes <= 256 wide."""
+    if not tiles.tma or (weight.device.type != "cuda" and not interpreter_enabled()):
+        return False
+    if _tensor_descriptor_class() is None:
+        return False
+    elem = weight.element_size()
+    aligned = (weight.shape[-1] * elem) % 16 == 0 and weight.data_ptr() % 16 == 0
+    return aligned and max(tiles.block_n, tiles.block_k) <= 256 and tiles.block_k * elem >= 16
+
+
+def _weight_operand(weight: torch.Tensor, tiles: GemmTiles) -> object:
+    """The weight [E, R, C] (contiguous) as a GEMM kernel takes it: the tensor (a pointer), or a
+    TMA descriptor over its [E*R, C] rows with [block_n, block_k] boxes."""
+    descriptor = _tensor_descriptor_class()
+    if descriptor is None or not _use_tma(weight, tiles):
+        return weight
+    num_experts, rows, cols = weight.shape
+    return descriptor(weight, [num_experts * rows, cols], [cols, 1], [tiles.block_n, tiles.block_k])
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: IEEE fp32 products (the default would be tf32, off the reference's tolerance).
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
-               cfg: ExpertsConfig, *, use_pdl: bool = False) -> None:
+               cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
+               use_pdl: bool = False) -> None:
+    """GEMM1 over the layout whose M-block count is views.num_blocks[layout] (0: main, 1: small
+    batch); the grid covers the M-blocks `max_tokens` (default T) tokens can produce."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     tiles: GemmTiles = cfg.gemm1
-    max_tiles = max_m_blocks(num_tokens, num_experts, top_k, cfg.block_m) * triton.cdiv(inter, tiles.block_n)
+    rows = num_tokens if max_tokens is None else max_tokens
+    max_tiles = max_m_blocks(rows, num_experts, top_k, cfg.block_m) * triton.cdiv(inter, tiles.block_n)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
     grid = (_grid_size(max_tiles, x.device, cfg.programs_per_sm),)
     _gemm1_kernel[grid](
-        x, w13, views.sorted_slots, views.block_end, views.num_blocks,
+        x, _weight_operand(w13, tiles), views.sorted_slots, views.block_end, views.num_blocks[layout:],
         views.intermediate,
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
         BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=hidden % tiles.block_k == 0, DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=use_pdl,
+        EVEN_K=hidden % tiles.block_k == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        USE_TMA=_use_tma(w13, tiles), USE_PDL=use_pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
 
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
-               cfg: ExpertsConfig, *, use_pdl: bool = False) -> None:
+               cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
+               use_pdl: bool = False) -> None:
+    """GEMM2 over the layout views.num_blocks[layout] counts (see gemm1_into)."""
     num_experts, hidden, inter = w2.shape
     tiles: GemmTiles = cfg.gemm2
-    max_tiles = max_m_blocks(num_tokens, num_experts, top_k, cfg.block_m) * triton.cdiv(hidden, tiles.block_n)
+    rows = num_tokens if max_tokens is None else max_tokens
+    max_tiles = max_m_blocks(rows, num_experts, top_k, cfg.block_m) * triton.cdiv(hidden, tiles.block_n)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
     grid = (_grid_size(max_tiles, w2.device, cfg.programs_per_sm),)
     _gemm2_kernel[grid](
-        views.intermediate, w2, weights, views.sorted_slots, views.block_end, views.num_blocks,
+        views.intermediate, _weight_operand(w2, tiles), weights, views.sorted_slots, views.block_end,
+        views.num_blocks[layout:],
         views.y,
         hidden, inter, num_experts, hidden * inter,
         NUM_BINS=num_bins(num_experts),
         BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=inter % tiles.block_k == 0, DOT_PRECISION=_dot_precision(w2.dtype), USE_PDL=use_pdl,
+        EVEN_K=inter % tiles.block_k == 0, DOT_PRECISION=_dot_precision(w2.dtype),
+        USE_TMA=_use_tma(w2, tiles), USE_PDL=use_pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
+
+
+def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                       dtype: torch.dtype, device: torch.device, cfg: ExpertsConfig) -> ExpertsConfig | None:
+    """The tiles for few valid rows (num_valid <= SMALL_BATCH_TOKENS) in a batch whose bucket is
+    larger, when they differ from the batch's own: a graph captured for 1024 rows then replays a
+    decode step at decode speed instead of with prefill tiles."""
+    if num_tokens <= SMALL_BATCH_TOKENS:
+        return None
+    small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device)
+    same = (small.block_m, small.gemm1, small.gemm2) == (cfg.block_m, cfg.gemm1, cfg.gemm2)
+    return None if same else small
 
 
 def experts_triton(
@@ -269,13 +354,20 @@ def experts_triton(
     workspace: Workspace | None = None,
     out: torch.Tensor | None = None,
     config: ExpertsConfig | None = None,
+    small_config: ExpertsConfig | None = None,
 ) -> torch.Tensor:
     """Expert MLPs with the Triton kernels; arguments already validated by `safemoe.experts`.
 
     Returns out [T, H] in x's dtype (written in full: rows >= num_valid are exact zeros). No host
     sync and no allocation when `workspace` and `out` are given, so it captures in a CUDA graph;
-    without a workspace a temporary one is allocated. `config` overrides the tile configuration
-    (otherwise chosen from the shapes by `safemoe.configs.get_config`). Deterministic run to run.
+    without a workspace a temporary one is allocated. Deterministic run to run.
+
+    Tiles: `config` (default: `safemoe.configs.get_config` for T) and, for T above
+    SMALL_BATCH_TOKENS, `small_config` (default: the config of SMALL_BATCH_TOKENS tokens when it
+    differs) used instead whenever num_valid <= SMALL_BATCH_TOKENS on the device: both GEMMs are
+    launched for both, and the pair that dispatch did not pick finds no M-block and returns. So
+    results are a deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS), and a row's bits
+    do not depend on what padding rows hold.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -290,7 +382,10 @@ def experts_triton(
         )
     if num_tokens == 0:
         return out
-    cfg = config or get_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device)
+    if config is None:
+        config = get_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device)
+        small_config = small_batch_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device,
+                                          config)
     if workspace is None:
         workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device)
     else:
@@ -298,9 +393,17 @@ def experts_triton(
             raise TypeError(f"workspace must be a safemoe Workspace or None, got {type(workspace).__name__}")
         workspace.check(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device)
     views = workspace.views(num_tokens, num_experts, top_k, hidden, inter)
-    use_pdl = cfg.pdl and x.device.type == "cuda" and pdl_supported()
-    dispatch_into(ids, num_experts, num_valid, cfg.block_m, views, health, use_pdl=use_pdl)
-    gemm1_into(x, w13, views, top_k, activation, cfg, use_pdl=use_pdl)
-    gemm2_into(w2, weights, views, num_tokens, top_k, cfg, use_pdl=use_pdl)
+    use_pdl = config.pdl and x.device.type == "cuda" and pdl_supported()
+    small_tokens = min(num_tokens, SMALL_BATCH_TOKENS)
+    small = (small_config.block_m, small_tokens * top_k) if small_config is not None else None
+    dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small, use_pdl=use_pdl)
+    gemm1_into(x, w13, views, top_k, activation, config, use_pdl=use_pdl)
+    if small_config is not None:
+        gemm1_into(x, w13, views, top_k, activation, small_config, layout=1, max_tokens=small_tokens,
+                   use_pdl=use_pdl)
+    gemm2_into(w2, weights, views, num_tokens, top_k, config, use_pdl=use_pdl)
+    if small_config is not None:
+        gemm2_into(w2, weights, views, num_tokens, top_k, small_config, layout=1, max_tokens=small_tokens,
+                   use_pdl=use_pdl)
     combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
     return out
