@@ -71,29 +71,32 @@ def _route(logits, top_k, *, num_valid=None, health=None, config=None, **kw):
 
 
 def _near_tie_rows(logits, top_k, rows: torch.Tensor, **kw) -> torch.Tensor:
-    """Of `rows`, those whose selection has a near-tie (gap < 1e-5, recomputed in float64) at the
-    top-K boundary or the kept-groups boundary: there the kernel's fp32 exp/sigmoid (ex2.approx)
-    and torch's may legitimately order two experts differently. Exact ties are not near-ties."""
+    """Of `rows`, those whose selection has a near-tie (0 < gap < 1e-5, recomputed in float64)
+    among the kept groups' top topk_group + 1 or the eligible experts' top K + 1: there the
+    kernel's fp32 exp/sigmoid (ex2.approx) and torch's may order two experts differently. Exact
+    ties are not near-ties: both sides break them by the lower index."""
     flt_max = torch.finfo(torch.float32).max
     x = logits[rows].double()
     x = torch.where(torch.isnan(x), -flt_max, x).clamp(-flt_max, flt_max)
     scores = torch.softmax(x, -1) if kw.get("scoring", "softmax") == "softmax" else torch.sigmoid(x)
     bias = kw.get("bias")
-    select = scores if bias is None else scores + bias.double().nan_to_num(nan=-3.4e38)[None]
+    select = scores if bias is None else scores + bias.double().nan_to_num(nan=-flt_max)[None]
+
+    def near_tie(values: torch.Tensor, k: int) -> torch.Tensor:
+        top = values.sort(dim=-1, descending=True).values[:, : k + 1]
+        gaps = top[:, :-1] - top[:, 1:]
+        return ((gaps > 0) & (gaps < 1e-5)).any(dim=1)
+
     near = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
-
-    def boundary_gap(values: torch.Tensor, k: int) -> torch.Tensor:
-        ordered = values.sort(dim=-1, descending=True).values
-        if k >= values.shape[1]:
-            return torch.zeros_like(ordered[:, 0], dtype=torch.bool)
-        gap = ordered[:, k - 1] - ordered[:, k]
-        return (gap > 0) & (gap < 1e-5)
-
     if kw.get("n_group"):
-        groups = select.view(len(rows), kw["n_group"], -1)
+        n_group, topk_group = kw["n_group"], kw["topk_group"]
+        groups = select.view(len(rows), n_group, -1)
         group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
-        near |= boundary_gap(group_scores, kw["topk_group"])
-    near |= boundary_gap(select, top_k)
+        near |= near_tie(group_scores, topk_group)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        select = select.masked_fill(~kept.repeat_interleave(groups.shape[-1], dim=1), -math.inf)
+    near |= near_tie(select, top_k)
     return rows[near]
 
 
@@ -159,7 +162,8 @@ def test_every_config_agrees(num_experts, top_k, mode):
 
     logits = _gpu_tie_free(1000, num_experts, torch.bfloat16, seed=3)
     logits[::7] = math.nan
-    for config in router.candidate_configs(1000, num_experts, top_k, 2):
+    grouped = "n_group" in mode
+    for config in router.candidate_configs(1000, num_experts, top_k, 2, grouped)[::3]:
         _check(logits, top_k, f"{config}", num_valid=torch.tensor(777, device="cuda"), config=config, **mode)
 
 

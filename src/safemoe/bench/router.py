@@ -60,6 +60,10 @@ class Case:
     n_group: int | None = None
     topk_group: int | None = None
 
+    @property
+    def grouped(self) -> bool:
+        return self.n_group is not None and self.n_group > 1
+
     def args(self) -> RouteArgs:
         return RouteArgs(top_k=self.top_k, scoring=self.scoring, renormalize=True, n_group=self.n_group,
                          topk_group=self.topk_group, routed_scaling_factor=1.0)
@@ -161,7 +165,10 @@ def _safemoe_step(case: Case, inputs: Inputs, *, impl: str, config: Any = None) 
     weights = torch.empty(num_tokens, case.top_k, dtype=torch.float32, device=inputs.logits[0].device)
     ids = torch.empty(num_tokens, case.top_k, dtype=torch.int32, device=inputs.logits[0].device)
     health = new_health_tensor(weights.device) if impl == "safemoe+health" else None
-    nv = NumValid(count=None, tensor=inputs.num_valid)
+    # The graph path: num_valid as a device tensor. safemoe-int-nv passes the count as a host int
+    # instead (no load of it on the device; a graph would bake that count in).
+    nv = NumValid(count=inputs.count, tensor=None) if impl == "safemoe-int-nv" else NumValid(
+        count=None, tensor=inputs.num_valid)
     safe = impl != "safemoe-unsafe"
     args = case.args()
 
@@ -187,7 +194,7 @@ def _peer_step(impl: str, case: Case, inputs: Inputs) -> Callable[[int], object]
     return step
 
 
-SAFEMOE_IMPLS = ("safemoe", "safemoe+health", "safemoe-unsafe")
+SAFEMOE_IMPLS = ("safemoe", "safemoe+health", "safemoe-int-nv", "safemoe-unsafe")
 EAGER_PEERS = ("torch-eager", "torch-eager+nan_to_num", "vllm", "sglang")  # timed at every shape
 
 
@@ -244,7 +251,7 @@ def _tune_case(name: str, case: Case, num_tokens: int, device: torch.device, qui
     kwargs = {"calls_per_graph": 10, "replays": 15} if quick else {"calls_per_graph": 20, "replays": 30}
     records = []
     best, best_us = None, math.inf
-    for config in router.candidate_configs(num_tokens, case.num_experts, case.top_k, 2):
+    for config in router.candidate_configs(num_tokens, case.num_experts, case.top_k, 2, case.grouped):
         step = _safemoe_step(case, inputs, impl="safemoe", config=config)
         try:
             us: float | None = time_graph(step, n_variants=len(inputs.logits), **kwargs)
@@ -272,11 +279,9 @@ def run(ceilings: DeviceCeilings, *, quick: bool, tune: bool = False, out_dir: P
     device = _device()
     tokens = QUICK_TOKENS if quick else TOKENS
     shapes = [(n, c, t) for n, c in CASES.items() for t in tokens]
-    jobs = [(c, impl, router._pick_config(t, c.num_experts, c.top_k, 2)) for _, c, t in shapes
+    picks = {(c, t): router.candidate_configs(t, c.num_experts, c.top_k, 2, c.grouped) for _, c, t in shapes}
+    jobs = [(c, impl, cfg) for (c, _), cfgs in picks.items() for cfg in (cfgs if tune else cfgs[:1])
             for impl in SAFEMOE_IMPLS]
-    if tune:
-        jobs += [(c, impl, cfg) for _, c, t in shapes
-                 for cfg in router.candidate_configs(t, c.num_experts, c.top_k, 2) for impl in SAFEMOE_IMPLS]
     precompile(jobs)
     rows: list[BenchRow] = []
     tuning: list[dict[str, Any]] = []

@@ -12,7 +12,8 @@ Contract (docs/contract.md, spec `safemoe.reference.route_reference`):
 
 How (everything in registers, one program per BLOCK_T rows, rows past num_valid never loaded):
 1. Load the [BLOCK_T, E_PAD] tile (E_PAD = next power of two >= E), upcast to fp32, sanitise.
-2. Score (softmax or sigmoid) in fp32; selection = score + sanitised bias, clamped to +-FLT_MAX.
+2. Score (softmax or sigmoid) in fp32; selection = score + sanitised bias (the reference's clamp
+   to +-FLT_MAX is a no-op there: see the comment at the bias).
 3. Each selection score becomes its order-preserving int32 image (`_ordered`: integer order ==
    float order), so row maxima are integer reductions (one REDUX instruction per warp on sm_90)
    and a top-K pass costs ~6 instructions per element, against ~10 with packed 64-bit
@@ -64,11 +65,16 @@ def _unordered(o):
 
 
 @triton.jit
-def _sanitize(x, SANITIZE: tl.constexpr):
-    # reference.sanitize_logits: nan -> -FLT_MAX, then clamp to +-FLT_MAX (+-inf included).
+def _sanitize(x, SANITIZE: tl.constexpr, UPPER: tl.constexpr = True):
+    """reference.sanitize_logits: nan -> -FLT_MAX, then clamp to +-FLT_MAX (+-inf included).
+
+    tl.maximum's default (PropagateNan.NONE) is IEEE maxNum: max(NaN, -FLT_MAX) = -FLT_MAX, so
+    two min/max instructions do all three replacements. UPPER=False skips the +inf clamp where it
+    changes nothing (sigmoid(+inf) == sigmoid(FLT_MAX) == 1)."""
     if SANITIZE:
-        x = tl.where(x != x, -FLT_MAX, x)
-        x = tl.minimum(tl.maximum(x, -FLT_MAX), FLT_MAX)
+        x = tl.maximum(x, -FLT_MAX)
+        if UPPER:
+            x = tl.minimum(x, FLT_MAX)
     return x
 
 
@@ -164,6 +170,7 @@ def _route_rows(
     num_valid (only those rows are loaded)."""
     expert = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     in_range = expert < NUM_EXPERTS
+    PAD_COLUMNS: tl.constexpr = NUM_EXPERTS < E_PAD  # else the column masks are compiled out
 
     # int64: row * E passes 2^31 at T = 4.2M, E = 512.
     row_offsets = rows.to(tl.int64) * NUM_EXPERTS
@@ -177,11 +184,12 @@ def _route_rows(
         num_bad = tl.sum(tl.where(row_valid, bad_rows, 0).to(tl.int64), axis=0)
         tl.atomic_add(health_ptr + _NONFINITE_ROWS, num_bad, mask=num_bad > 0, sem="relaxed")
 
-    x = _sanitize(x, SANITIZE)
     if SIGMOID:
-        scores = tl.sigmoid(x)
+        scores = tl.sigmoid(_sanitize(x, SANITIZE, False))
     else:
-        x = tl.where(in_range, x, float("-inf"))
+        x = _sanitize(x, SANITIZE)
+        if PAD_COLUMNS:
+            x = tl.where(in_range, x, float("-inf"))
         row_max = tl.max(x, axis=1)  # finite: sanitised logits are finite
         unnormalised = tl.exp(x - row_max[:, None])  # 0 on out-of-range columns
         inv_sum = 1.0 / tl.sum(unnormalised, axis=1)  # sum >= 1
@@ -191,13 +199,16 @@ def _route_rows(
         # Loaded as a [BLOCK_T, E_PAD] tile (L1 hits): a [1, E_PAD] load gets a layout with warps
         # along E, and Triton then reduces every row across warps (shared memory + barriers).
         bias = tl.load(bias_ptr + (expert + 0 * rows[:, None]), mask=in_range, other=0.0).to(tl.float32)
+        # The reference clamps score + bias to +-FLT_MAX and no -0.0 can arise: a score is in
+        # [+0, 1] and a sanitised bias in [-FLT_MAX, FLT_MAX], so the sum is finite (1 is below
+        # half an ulp of FLT_MAX) and -0.0 would need -0.0 + -0.0. Nothing to do here.
         select = scores + _sanitize(bias, True)
-        select = tl.minimum(tl.maximum(select, -FLT_MAX), FLT_MAX)
-        select = tl.where(select == 0.0, 0.0, select)  # -0.0 -> +0.0: ordered images must tie
     else:
-        select = scores  # >= +0.0 (exp and sigmoid never give -0.0)
+        select = scores  # in [+0, 1]: exp and sigmoid never give -0.0
 
-    values = tl.where(in_range, _ordered(select), DEAD)  # [BLOCK_T, E_PAD] int32
+    values = _ordered(select)  # [BLOCK_T, E_PAD] int32
+    if PAD_COLUMNS:
+        values = tl.where(in_range, values, DEAD)
     if GROUPED:
         values = _group_limit(values, expert, NUM_EXPERTS, E_PAD, N_GROUP, GROUP_SIZE, TOPK_GROUP, NG_PAD,
                               GROUP_RESHAPE)
@@ -292,32 +303,52 @@ class RouterConfig:
     num_warps: int
 
 
-def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int) -> RouterConfig:
-    """Heuristic over shapes. One row spans at most a warp (reductions stay in shuffles): a thread
-    loads 16 bytes, so a row takes E_PAD * elem_size / 16 lanes; small T keeps one row per lane group
-    (latency), large T packs more rows per program (fewer programs, more independent work)."""
-    e_pad = triton.next_power_of_2(num_experts)
-    per_thread = max(1, 16 // elem_size)
-    lanes_per_row = max(1, min(32, e_pad // per_thread))
-    rows_per_warp = 32 // lanes_per_row
-    num_warps = 4
-    rows_per_lane_group = 1 if num_tokens <= 256 else 2
-    block_t = rows_per_warp * num_warps * rows_per_lane_group
-    block_t = max(1, min(block_t, triton.next_power_of_2(max(num_tokens, 1))))
-    return RouterConfig(block_t=block_t, num_warps=num_warps)
+# Tuned on an H200 (bench/results/router_tuning_h200.csv, `python -m safemoe.bench.router`): per
+# (E_PAD, K, grouped), the fastest (block_t, num_warps) up to each T (the rows above the last T
+# reuse the last entry). Other shapes take the heuristic below.
+_TUNED: dict[tuple[int, int, bool], list[tuple[int, int, int]]] = {
+    (128, 8, False): [(1, 1, 1), (8, 8, 8), (64, 4, 2), (128, 2, 1), (1024, 4, 2), (4096, 16, 8),
+                      (8192, 32, 8), (16384, 4, 1)],
+    (256, 8, True): [(1, 1, 1), (8, 2, 2), (128, 4, 4), (1024, 2, 2), (16384, 2, 1)],
+    (8, 2, False): [(1, 1, 8), (8, 8, 1), (64, 64, 2), (1024, 128, 4), (4096, 64, 2), (8192, 128, 4),
+                    (16384, 64, 2)],
+    (128, 4, False): [(1, 1, 1), (8, 8, 8), (64, 2, 1), (128, 8, 4), (1024, 4, 2), (4096, 16, 8),
+                      (8192, 4, 1), (16384, 8, 2)],
+    (256, 8, False): [(1, 1, 1), (1024, 2, 2), (8192, 1, 1), (16384, 4, 1)],
+}
 
 
-def candidate_configs(num_tokens: int, num_experts: int, top_k: int, elem_size: int) -> list[RouterConfig]:
-    """The configs the bench's tuning sweep times for one shape (the heuristic's pick first)."""
-    base = _pick_config(num_tokens, num_experts, top_k, elem_size)
+def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
+                 grouped: bool = False) -> RouterConfig:
+    """Config for a shape: the tuned table where it has the shape, else a heuristic. A row spans at
+    most one warp, so its reductions stay inside the warp (no shared memory, no barriers); at 16
+    bytes per thread a row takes E_PAD * elem_size / 16 lanes."""
     e_pad = triton.next_power_of_2(num_experts)
-    rows_per_warp = 32 // max(1, min(32, e_pad // max(1, 16 // elem_size)))
     cap = triton.next_power_of_2(max(num_tokens, 1))
-    configs = [base]
+    tuned = _TUNED.get((e_pad, top_k, grouped)) if elem_size == 2 else None
+    if tuned is not None:
+        block_t, num_warps = next(((b, w) for t, b, w in tuned if num_tokens <= t), tuned[-1][1:])
+        return RouterConfig(block_t=min(block_t, cap), num_warps=num_warps)
+    lanes_per_row = max(1, min(32, e_pad * elem_size // 16))
+    rows_per_warp = 32 // lanes_per_row
+    num_warps = 2 if num_tokens <= 256 else 4
+    block_t = rows_per_warp * num_warps * (1 if num_tokens <= 256 else 2)
+    return RouterConfig(block_t=min(block_t, cap), num_warps=num_warps)
+
+
+def candidate_configs(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
+                      grouped: bool = False) -> list[RouterConfig]:
+    """The configs the bench's tuning sweep times for one shape (the shipped pick first): 1 to 8
+    warps, 1 row per warp up to 64 elements per thread, at least min(4, E_PAD) per thread."""
+    e_pad = triton.next_power_of_2(num_experts)
+    cap = triton.next_power_of_2(max(num_tokens, 1))
+    configs = [_pick_config(num_tokens, num_experts, top_k, elem_size, grouped)]
     for num_warps in (1, 2, 4, 8):
-        for rows_per_lane_group in (1, 2, 4):
-            block_t = min(rows_per_warp * num_warps * rows_per_lane_group, cap)
-            config = RouterConfig(block_t=block_t, num_warps=num_warps)
+        for rows_per_warp in (1, 2, 4, 8, 16, 32, 64):
+            per_thread = e_pad * rows_per_warp // 32
+            if not min(4, e_pad) <= per_thread <= 64:
+                continue
+            config = RouterConfig(block_t=min(num_warps * rows_per_warp, cap), num_warps=num_warps)
             if config not in configs:
                 configs.append(config)
     return configs
@@ -356,9 +387,9 @@ def _launch(
     if num_tokens >= 2**31 - 2**20:
         raise ValueError(f"logits has T={num_tokens} rows; the router supports T < 2^31 - 2^20")
     top_k = args.top_k
-    if config is None:
-        config = _pick_config(num_tokens, num_experts, top_k, logits.element_size())
     grouped = args.n_group is not None and args.n_group > 1
+    if config is None:
+        config = _pick_config(num_tokens, num_experts, top_k, logits.element_size(), grouped)
     n_group = args.n_group if grouped else 1
     topk_group = args.topk_group if grouped else 1
     assert n_group is not None and topk_group is not None
