@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from safemoe.check.inputs import padding_rows, router_rows
+from safemoe.check.inputs import MODES_BY_NAME, ROUTE_MODES, RouteMode, padding_rows, router_rows
 from safemoe.check.registry import CaseContext
 
 # E values that cross every boundary a router kernel has: tiny, non-power-of-two, one warp (32 is
@@ -19,6 +19,16 @@ NUM_VALID_FORMS = ("int", "int32_tensor", "int64_tensor")
 
 def dtypes(ctx: CaseContext) -> tuple[torch.dtype, ...]:
     return ctx.choose((torch.float32, torch.float16), FLOAT_DTYPES_CPU, FLOAT_DTYPES_CUDA)
+
+
+# --quick: four modes that still cover both scorings, renormalize off, bias, groups and scaling.
+QUICK_MODES = tuple(
+    MODES_BY_NAME[n] for n in ("softmax_raw", "sigmoid_bias", "softmax_groups", "deepseek_v3")
+)
+
+
+def route_modes(ctx: CaseContext) -> tuple[RouteMode, ...]:
+    return ctx.choose(QUICK_MODES, ROUTE_MODES, ROUTE_MODES)
 
 
 def expert_counts(ctx: CaseContext) -> tuple[int, ...]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from safemoe._checks import NumValid
-from safemoe.check.cases.common import dtypes, padded_logits
-from safemoe.check.inputs import ROUTE_MODES, expert_weights, interleave_with_tie_free, tokens, top_k_for
+from safemoe.check.cases.common import dtypes, padded_logits, route_modes
+from safemoe.check.inputs import expert_weights, interleave_with_tie_free, tokens, top_k_for
 from safemoe.check.invariants import expect_close, expect_finite, expect_zero_rows
 from safemoe.check.registry import CaseContext, CheckFailure, case
 from safemoe.health import NONFINITE_ROWS, new_health_tensor
@@ -44,7 +44,7 @@ def nan_router_chain(ctx: CaseContext) -> None:
     """moe with NaN/Inf router rows: finite outputs, reference values, non-finite rows counted"""
     kinds = interleave_with_tie_free(["all_nan", "mixed_nonfinite", "all_pos_inf", "one_nan_odd"])
     nonfinite = 4
-    for p in ctx.grid(dtype=dtypes(ctx), mode=ROUTE_MODES):
+    for p in ctx.grid(dtype=dtypes(ctx), mode=route_modes(ctx)):
         dtype, mode = p["dtype"], p["mode"]
         with ctx.sub(dtype=dtype, mode=mode.name):
             num_experts = ctx.choose(8, 8, 64)

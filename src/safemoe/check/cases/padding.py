@@ -11,9 +11,15 @@ from typing import Any
 
 import torch
 
-from safemoe.check.cases.common import NUM_VALID_FORMS, dtypes, expert_counts, num_valid_arg, padded_logits
+from safemoe.check.cases.common import (
+    NUM_VALID_FORMS,
+    dtypes,
+    expert_counts,
+    num_valid_arg,
+    padded_logits,
+    route_modes,
+)
 from safemoe.check.inputs import (
-    ROUTE_MODES,
     STALE_ID,
     expert_weights,
     interleave_with_tie_free,
@@ -46,7 +52,9 @@ def _fills(ctx: CaseContext) -> tuple[str, ...]:
 def route_padding(ctx: CaseContext) -> None:
     """route: real rows bit-identical with NaN/Inf/huge padded rows and without any"""
     num_padded = ctx.choose(3, 3, 29)
-    for p in ctx.grid(E=expert_counts(ctx), mode=ROUTE_MODES, dtype=dtypes(ctx), num_valid=NUM_VALID_FORMS):
+    for p in ctx.grid(
+        E=expert_counts(ctx), mode=route_modes(ctx), dtype=dtypes(ctx), num_valid=NUM_VALID_FORMS
+    ):
         num_experts, mode = p["E"], p["mode"]
         top_k = top_k_for(num_experts)
         with ctx.sub(E=num_experts, mode=mode.name, dtype=p["dtype"], num_valid=p["num_valid"]):
@@ -189,7 +197,7 @@ def _run_moe(
 def moe_padding(ctx: CaseContext) -> None:
     """moe: NaN router logits and NaN tokens on padded rows leave real rows untouched"""
     num_padded = ctx.choose(2, 3, 29)
-    for p in ctx.grid(dtype=dtypes(ctx), mode=ROUTE_MODES, num_valid=NUM_VALID_FORMS):
+    for p in ctx.grid(dtype=dtypes(ctx), mode=route_modes(ctx), num_valid=NUM_VALID_FORMS):
         mode = p["mode"]
         with ctx.sub(dtype=p["dtype"], mode=mode.name, num_valid=p["num_valid"]):
             prob = _experts_problem(ctx, p["dtype"])

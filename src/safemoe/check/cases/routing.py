@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from safemoe.check.cases.common import NUM_VALID_FORMS, dtypes, expert_counts, num_valid_arg, padded_logits
+from safemoe.check.cases.common import (
+    NUM_VALID_FORMS,
+    dtypes,
+    expert_counts,
+    num_valid_arg,
+    padded_logits,
+    route_modes,
+)
 from safemoe.check.inputs import ROUTE_MODES, RouteMode, interleave_with_tie_free, top_k_for
 from safemoe.check.invariants import expect_route_matches_reference, expect_routing_contract
 from safemoe.check.registry import CaseContext, CheckFailure, case
@@ -19,7 +26,7 @@ def _route_rows(ctx: CaseContext, kinds: list[str], *, k_kinds: tuple[str, ...] 
     row_kinds = interleave_with_tie_free(kinds)
     num_padded = ctx.choose(2, 2, 5)
     for p in ctx.grid(
-        E=expert_counts(ctx), mode=ROUTE_MODES, dtype=dtypes(ctx), num_valid=NUM_VALID_FORMS, k=k_kinds
+        E=expert_counts(ctx), mode=route_modes(ctx), dtype=dtypes(ctx), num_valid=NUM_VALID_FORMS, k=k_kinds
     ):
         num_experts: int = p["E"]
         mode: RouteMode = p["mode"]
