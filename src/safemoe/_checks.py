@@ -75,9 +75,13 @@ def check_num_valid(num_valid: object, num_rows: int, device: torch.device) -> N
         if num_valid.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"num_valid tensor must be int32 or int64, got {num_valid.dtype}")
         if num_valid.device != device:
-            raise ValueError(f"num_valid tensor must be on {device} (the inputs' device), got {num_valid.device}")
+            raise ValueError(
+                f"num_valid tensor must be on {device} (the inputs' device), got {num_valid.device}"
+            )
         return NumValid(count=None, tensor=num_valid)
-    raise TypeError(f"num_valid must be None, an int or a 0-dim integer tensor, got {type(num_valid).__name__}")
+    raise TypeError(
+        f"num_valid must be None, an int or a 0-dim integer tensor, got {type(num_valid).__name__}"
+    )
 
 
 def check_backend(backend: object) -> str:
@@ -158,7 +162,8 @@ def check_route_args(
     # factor in [0, FLT_MAX] keeps them so.
     if not (math.isfinite(routed_scaling_factor) and 0.0 <= routed_scaling_factor <= _FLT_MAX):
         raise ValueError(
-            f"routed_scaling_factor must be finite, >= 0 and within float32 range, got {routed_scaling_factor}"
+            "routed_scaling_factor must be finite, >= 0 and within float32 range, "
+            f"got {routed_scaling_factor}"
         )
     return RouteArgs(
         top_k=top_k,
@@ -198,7 +203,9 @@ def check_experts_args(x: object, w13: object, w2: object, activation: object) -
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype=} {w13.dtype=} {w2.dtype=}")
     if two_inter % 2 != 0 or two_inter == 0:
-        raise ValueError(f"w13 must have shape [E, 2*I, H] with gate rows then up rows, got {tuple(w13.shape)}")
+        raise ValueError(
+            f"w13 must have shape [E, 2*I, H] with gate rows then up rows, got {tuple(w13.shape)}"
+        )
     inter = two_inter // 2
     if w13_hidden != hidden:
         raise ValueError(f"w13 must have shape [E, 2*I, H={hidden}] to match x, got {tuple(w13.shape)}")

@@ -129,7 +129,9 @@ class DispatchLayout:
     dropped: int  # slots of valid rows whose id was out of range
 
 
-def dispatch_reference(ids: torch.Tensor, num_experts: int, num_valid: NumValid | None = None) -> DispatchLayout:
+def dispatch_reference(
+    ids: torch.Tensor, num_experts: int, num_valid: NumValid | None = None
+) -> DispatchLayout:
     num_tokens, top_k = ids.shape
     served = valid_slot_mask(ids, num_experts, num_valid).reshape(-1)
     rows_valid = (num_valid or NumValid(num_tokens, None)).row_mask(num_tokens, ids.device)
