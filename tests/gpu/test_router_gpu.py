@@ -90,7 +90,7 @@ def _near_tie_rows(logits, top_k, rows: torch.Tensor, **kw) -> torch.Tensor:
     near = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
     if kw.get("n_group"):
         n_group, topk_group = kw["n_group"], kw["topk_group"]
-        groups = select.view(len(rows), n_group, -1)
+        groups = select.view(len(rows), n_group, select.shape[1] // n_group)
         group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
         near |= near_tie(group_scores, topk_group)
         kept = torch.zeros_like(group_scores, dtype=torch.bool)

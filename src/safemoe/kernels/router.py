@@ -303,9 +303,11 @@ class RouterConfig:
     num_warps: int
 
 
-# Tuned on an H200 (bench/results/router_tuning_h200.csv, `python -m safemoe.bench.router`): per
-# (E_PAD, K, grouped), the fastest (block_t, num_warps) up to each T (the rows above the last T
-# reuse the last entry). Other shapes take the heuristic below.
+# Tuned on an H200 by `python -m safemoe.bench.router` (each safemoe row's extra.config in
+# bench/results/router_NVIDIA-H200_2026-11-21.csv): per (E_PAD, K, grouped) for bf16 logits, the
+# fastest (block_t, num_warps) up to each T; larger T reuse the last entry. Neighbouring configs
+# are within a few percent of each other, so the jumps between entries are mostly noise. Other
+# shapes and dtypes take the heuristic below.
 _TUNED: dict[tuple[int, int, bool], list[tuple[int, int, int]]] = {
     (128, 8, False): [(1, 1, 1), (8, 8, 8), (64, 4, 2), (128, 2, 1), (1024, 4, 2), (4096, 16, 8),
                       (8192, 32, 8), (16384, 4, 1)],
