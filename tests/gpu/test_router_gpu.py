@@ -22,32 +22,9 @@ from helpers import adversarial_logits, assert_close, assert_equal, poisoned, ti
 from safemoe import _checks
 from safemoe.health import NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
 from safemoe.reference import route_reference
+from test_router_triton import SHAPES, _args  # the same E grid and argument builder as on CPU
 
 pytestmark = pytest.mark.gpu
-
-SHAPES = [  # (E, K, n_group, topk_group)
-    (1, 1, None, None),
-    (6, 2, 3, 2),
-    (8, 2, 8, 4),
-    (60, 4, 6, 3),
-    (64, 6, 8, 4),
-    (72, 8, 8, 3),
-    (128, 8, 8, 4),
-    (160, 6, 8, 3),
-    (256, 8, 8, 4),
-    (257, 5, None, None),
-    (384, 16, 8, 4),
-    (512, 32, 8, 4),
-]
-
-
-def _args(logits: torch.Tensor, top_k: int, **kw) -> _checks.RouteArgs:
-    return _checks.check_route_args(
-        logits, top_k, scoring=kw.get("scoring", "softmax"), renormalize=kw.get("renormalize", True),
-        bias=kw.get("bias"), n_group=kw.get("n_group"), topk_group=kw.get("topk_group"),
-        routed_scaling_factor=kw.get("routed_scaling_factor", 1.0),
-    )
-
 
 def _reference(logits: torch.Tensor, args: _checks.RouteArgs, bias, nv) -> tuple[torch.Tensor, torch.Tensor]:
     return route_reference(
