@@ -26,6 +26,7 @@ from test_router_triton import SHAPES, _args  # the same E grid and argument bui
 
 pytestmark = pytest.mark.gpu
 
+
 def _reference(logits: torch.Tensor, args: _checks.RouteArgs, bias, nv) -> tuple[torch.Tensor, torch.Tensor]:
     return route_reference(
         logits, args.top_k, scoring=args.scoring, renormalize=args.renormalize, bias=bias,
