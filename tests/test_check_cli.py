@@ -3,6 +3,7 @@ reports what is not built, writes JSON, and every --help works."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -15,7 +16,8 @@ import torch
 import safemoe
 from safemoe import cli
 from safemoe.check import adapters
-from safemoe.check.registry import CaseContext, select_cases
+from safemoe.check.registry import CaseContext, all_pairs, select_cases
+from safemoe.check.runner import run_case
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -186,3 +188,26 @@ def test_cli_imports_subcommands_lazily() -> None:
     done = _run(sys.executable, "-c", code)
     assert done.returncode == 0, done.stderr
     assert "safemoe.check" not in done.stdout and "safemoe.bench" not in done.stdout
+
+
+def test_all_pairs_covers_every_pair() -> None:
+    for sizes in ([8, 7, 3, 3, 1], [8, 7, 3, 3, 3], [2, 2, 2, 2], [5], [4, 1]):
+        rows = all_pairs(sizes)
+        for a, b in itertools.combinations(range(len(sizes)), 2):
+            seen = {(row[a], row[b]) for row in rows}
+            assert len(seen) == sizes[a] * sizes[b]
+    assert len(all_pairs([8, 7, 3, 3])) == 56  # the minimum for 8 x 7
+
+
+def test_every_case_runs_at_cuda_scale_on_the_reference() -> None:
+    """The CUDA-sized sub-case grids and shapes, exercised on the CPU reference."""
+    adapter = adapters.reference_adapter(torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `safemoe check` does on CPU: 4x faster on a busy 2-core machine
+    try:
+        for case in select_cases(None):
+            result = run_case(case, adapter, seed=0, scale=2)
+            assert result.status == "passed", f"{case.name}: {result.message}"
+            assert result.subcases > 0
+    finally:
+        torch.set_num_threads(threads)

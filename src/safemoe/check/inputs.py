@@ -39,30 +39,23 @@ def tie_free_rows(num_rows: int, num_experts: int, generator: torch.Generator) -
     return (ranks.float() - num_experts / 2) * step
 
 
+# Kinds that fill the whole row with one value, and kinds that put one value at an odd offset.
+_WHOLE_ROW = {"all_nan": math.nan, "all_pos_inf": math.inf, "all_neg_inf": -math.inf, "all_equal": 0.5}
+_ONE_AT_ODD = {"one_nan_odd": math.nan, "one_pos_inf_odd": math.inf, "one_neg_inf_odd": -math.inf}
+
+
 def router_rows(kinds: list[str], num_experts: int, generator: torch.Generator) -> torch.Tensor:
     """One fp32 row per kind, [len(kinds), E]."""
     rows = tie_free_rows(len(kinds), num_experts, generator)
     for i, kind in enumerate(kinds):
-        # An odd offset that moves with the row, so bad values land in different lanes/blocks.
-        odd = min(num_experts - 1, (2 * i + 1 + 2 * (num_experts // 3)) | 1)
-        if kind == "all_nan":
-            rows[i] = math.nan
-        elif kind == "all_pos_inf":
-            rows[i] = math.inf
-        elif kind == "all_neg_inf":
-            rows[i] = -math.inf
+        if kind in _WHOLE_ROW:
+            rows[i] = _WHOLE_ROW[kind]
+        elif kind in _ONE_AT_ODD:
+            # An odd offset that moves with the row, so bad values land in different lanes/blocks.
+            rows[i, min(num_experts - 1, (2 * i + 1 + 2 * (num_experts // 3)) | 1)] = _ONE_AT_ODD[kind]
         elif kind == "mixed_nonfinite":
-            start = i % 4
-            pattern = torch.tensor([math.nan, math.inf, -math.inf, 1.0]).roll(start)
+            pattern = torch.tensor([math.nan, math.inf, -math.inf, 1.0]).roll(i % 4)
             rows[i] = pattern.repeat(num_experts // 4 + 1)[:num_experts]
-        elif kind == "one_nan_odd":
-            rows[i, odd] = math.nan
-        elif kind == "one_pos_inf_odd":
-            rows[i, odd] = math.inf
-        elif kind == "one_neg_inf_odd":
-            rows[i, odd] = -math.inf
-        elif kind == "all_equal":
-            rows[i] = 0.5
         elif kind == "huge_finite":
             rows[i] = torch.where(rows[i] > 0, 3e4, -3e4)  # finite in fp16 too
         elif kind != "tie_free":

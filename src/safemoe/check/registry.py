@@ -39,6 +39,8 @@ class Case:
 
 
 CASES: dict[str, Case] = {}
+# Reading order of the families in the table: the data path, then the end-to-end checks.
+FAMILY_ORDER = {"routing": 0, "padding": 1, "stale": 2, "experts": 3}
 
 
 def case(
@@ -65,13 +67,12 @@ def select_cases(patterns: Sequence[str] | None) -> list[Case]:
     """Cases matching any pattern: an exact name, a family name, or a glob (`routing.*_rows`)."""
     import safemoe.check.cases  # noqa: F401  (registers every case)
 
+    ordered = sorted(CASES.values(), key=lambda c: FAMILY_ORDER.get(c.family, len(FAMILY_ORDER)))
     if not patterns:
-        return list(CASES.values())
-    chosen = []
-    for c in CASES.values():
-        if any(p in (c.name, c.family) or fnmatch.fnmatchcase(c.name, p) for p in patterns):
-            chosen.append(c)
-    return chosen
+        return ordered
+    return [
+        c for c in ordered if any(p in (c.name, c.family) or fnmatch.fnmatchcase(c.name, p) for p in patterns)
+    ]
 
 
 def case_seed(seed: int, name: str) -> int:

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     cases = select_cases(_split(args.only))
     if args.list:
         for case in cases:
-            console.print(f"{case.name:28} {case.doc}", highlight=False)
+            console.print(f"{case.name:26} {escape(case.doc)}", highlight=False, soft_wrap=True)
         return 0
     if not cases:
         errors.print(f"safemoe check: no check matches --only {args.only!r}; see safemoe check --list")
