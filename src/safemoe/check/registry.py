@@ -26,10 +26,13 @@ class CheckFailure(AssertionError):
     """A broken contract clause; the message says which sub-case and what was seen."""
 
 
+CaseFn = Callable[["CaseContext"], None]
+
+
 @dataclass(frozen=True)
 class Case:
     name: str  # "family.case"
-    fn: Callable[[CaseContext], None]
+    fn: CaseFn
     ops: tuple[str, ...]  # public ops the case calls on the backend under test
     doc: str
 
@@ -43,9 +46,7 @@ CASES: dict[str, Case] = {}
 FAMILY_ORDER = {"routing": 0, "padding": 1, "stale": 2, "experts": 3}
 
 
-def case(
-    name: str, *, ops: Sequence[str]
-) -> Callable[[Callable[[CaseContext], None]], Callable[[CaseContext], None]]:
+def case(name: str, *, ops: Sequence[str]) -> Callable[[CaseFn], CaseFn]:
     """Register `fn` as the check `name`; its docstring's first line is the table's description."""
     if name.count(".") != 1:
         raise ValueError(f"case name must be 'family.case', got {name!r}")
@@ -53,7 +54,7 @@ def case(
     if unknown:
         raise ValueError(f"case {name}: unknown ops {sorted(unknown)}, known {OPS}")
 
-    def register(fn: Callable[[CaseContext], None]) -> Callable[[CaseContext], None]:
+    def register(fn: CaseFn) -> CaseFn:
         if name in CASES:
             raise ValueError(f"case {name!r} registered twice")
         doc = (fn.__doc__ or "").strip().splitlines()
