@@ -103,6 +103,66 @@ def _error_note(exc: Exception) -> str:
     return f"error: {type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
+class _Steps:
+    """The two safemoe steps timed on one input set: `experts` (experts_triton into preallocated
+    outputs) and `layer` (route + experts), num_valid as a device tensor, one shared workspace."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int, int, str],
+        inputs: _Inputs,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        num_valid: int,
+    ) -> None:
+        from safemoe._checks import NumValid
+        from safemoe.workspace import Workspace
+
+        num_experts, self.top_k, hidden, inter, self.activation = shape
+        num_tokens = inputs.xs[0].shape[0]
+        self.inputs, self.w13, self.w2 = inputs, w13, w2
+        self.ws = Workspace(num_tokens, num_experts, self.top_k, hidden, inter, torch.bfloat16, w13.device)
+        self.nv_tensor = torch.tensor(num_valid, device=w13.device, dtype=torch.int32)
+        self.nv = NumValid(None, self.nv_tensor)
+        self.outs = [torch.empty_like(x) for x in inputs.xs]
+        self.route_backend = _route_backend()
+
+    def experts(self, j: int) -> torch.Tensor:
+        from safemoe.kernels.experts import experts_triton
+
+        inputs = self.inputs
+        return experts_triton(
+            inputs.xs[j],
+            self.w13,
+            self.w2,
+            inputs.weights[j],
+            inputs.ids[j],
+            activation=self.activation,
+            num_valid=self.nv,
+            health=None,
+            workspace=self.ws,
+            out=self.outs[j],
+        )
+
+    def layer(self, j: int) -> torch.Tensor:
+        import safemoe
+
+        inputs = self.inputs
+        routing = safemoe.route(
+            inputs.logits[j], self.top_k, num_valid=self.nv_tensor, backend=self.route_backend
+        )
+        return safemoe.experts(
+            inputs.xs[j],
+            self.w13,
+            self.w2,
+            routing,
+            activation=self.activation,
+            num_valid=self.nv_tensor,
+            backend="triton",
+            workspace=self.ws,
+        )
+
+
 def _case_rows(
     case: str,
     shape: tuple[int, int, int, int, str],
@@ -112,49 +172,13 @@ def _case_rows(
     ceilings: DeviceCeilings,
     quick: bool,
 ) -> list[BenchRow]:
-    import safemoe
-    from safemoe._checks import NumValid
     from safemoe.bench.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, vllm_fused_experts
-    from safemoe.kernels.experts import experts_triton
-    from safemoe.workspace import Workspace
 
     num_experts, top_k, hidden, inter, activation = shape
-    device = w13.device
-    inputs = _Inputs(shape, num_tokens, device, seed=num_tokens)
+    inputs = _Inputs(shape, num_tokens, w13.device, seed=num_tokens)
     floor, bound = moe_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings)
     timing = _timing_args(1.3 * floor + 15)
-    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
-    nv_tensor = torch.tensor(num_tokens, device=device, dtype=torch.int32)
-    nv = NumValid(None, nv_tensor)
-    outs = [torch.empty_like(x) for x in inputs.xs]
-    route_backend = _route_backend()
-
-    def experts_step(j: int) -> torch.Tensor:
-        return experts_triton(
-            inputs.xs[j],
-            w13,
-            w2,
-            inputs.weights[j],
-            inputs.ids[j],
-            activation=activation,
-            num_valid=nv,
-            health=None,
-            workspace=ws,
-            out=outs[j],
-        )
-
-    def layer_step(j: int) -> torch.Tensor:
-        routing = safemoe.route(inputs.logits[j], top_k, num_valid=nv_tensor, backend=route_backend)
-        return safemoe.experts(
-            inputs.xs[j],
-            w13,
-            w2,
-            routing,
-            activation=activation,
-            num_valid=nv_tensor,
-            backend="triton",
-            workspace=ws,
-        )
+    steps = _Steps(shape, inputs, w13, w2, num_valid=num_tokens)
 
     def peer(fn: Callable[..., torch.Tensor]) -> Callable[[int], torch.Tensor]:
         return lambda j: fn(inputs.xs[j], w13, w2, inputs.weights[j], inputs.ids[j], activation)
@@ -183,8 +207,8 @@ def _case_rows(
             row.extra["x_vs_target"] = round(target / row.median_us, 3)
         return row
 
-    add("experts", "safemoe-triton", experts_step, "graph")
-    add("layer", "safemoe-triton", layer_step, "graph").extra["route_backend"] = route_backend
+    add("experts", "safemoe-triton", steps.experts, "graph")
+    add("layer", "safemoe-triton", steps.layer, "graph").extra["route_backend"] = steps.route_backend
     add("experts", "torch-grouped_mm", peer(grouped_mm_experts), "graph")
     if num_tokens <= HF_MAX_TOKENS and not (quick and num_tokens > 256):
         add("experts", "hf-eager", peer(hf_experts_loop), "eager")
@@ -201,57 +225,17 @@ def _padding_rows(
     ceilings: DeviceCeilings,
 ) -> list[BenchRow]:
     """T = 1024 with num_valid = 1 against T = 1, experts only and the whole layer."""
-    import safemoe
-    from safemoe._checks import NumValid
-    from safemoe.kernels.experts import experts_triton
-    from safemoe.workspace import Workspace
-
-    num_experts, top_k, hidden, inter, activation = shape
-    device = w13.device
+    num_experts, top_k, hidden, inter, _ = shape
     floor, bound = moe_floor_us(num_experts, top_k, hidden, inter, 1, ceilings)
     timing = _timing_args(1.3 * floor + 15)
-    route_backend = _route_backend()
     rows = []
     times: dict[tuple[str, int], float | None] = {}
     for num_tokens in (1, PADDED_TOKENS):
-        inputs = _Inputs(shape, num_tokens, device, seed=7)
+        inputs = _Inputs(shape, num_tokens, w13.device, seed=7)
         for x in inputs.xs:
             x[1:] = math.nan  # padding rows hold garbage; they must cost nothing and leak nothing
-        ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
-        nv_tensor = torch.tensor(1, device=device, dtype=torch.int32)
-        nv = NumValid(None, nv_tensor)
-
-        def experts_step(
-            j: int, inputs: _Inputs = inputs, ws: Workspace = ws, nv: NumValid = nv
-        ) -> torch.Tensor:
-            return experts_triton(
-                inputs.xs[j],
-                w13,
-                w2,
-                inputs.weights[j],
-                inputs.ids[j],
-                activation=activation,
-                num_valid=nv,
-                health=None,
-                workspace=ws,
-            )
-
-        def layer_step(
-            j: int, inputs: _Inputs = inputs, ws: Workspace = ws, nv_tensor: torch.Tensor = nv_tensor
-        ) -> torch.Tensor:
-            routing = safemoe.route(inputs.logits[j], top_k, num_valid=nv_tensor, backend=route_backend)
-            return safemoe.experts(
-                inputs.xs[j],
-                w13,
-                w2,
-                routing,
-                activation=activation,
-                num_valid=nv_tensor,
-                backend="triton",
-                workspace=ws,
-            )
-
-        for variant, step in (("padding experts", experts_step), ("padding layer", layer_step)):
+        steps = _Steps(shape, inputs, w13, w2, num_valid=1)
+        for variant, step in (("padding experts", steps.experts), ("padding layer", steps.layer)):
             row = BenchRow(
                 SUITE,
                 case,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.kernels.dispatch import _load_num_valid, launch_options
+from safemoe.kernels.dispatch import _load_num_valid, launch_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -34,9 +34,7 @@ def _combine_kernel(
     HAS_NUM_VALID_PTR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

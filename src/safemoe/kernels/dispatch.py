@@ -43,6 +43,15 @@ _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
 
 
 @triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel has finished and its
+    writes are visible (before this kernel reads anything), then let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR: tl.constexpr):
     """num_valid from the device (clamped to [0, T]) or the host int."""
     if HAS_NUM_VALID_PTR:
@@ -117,9 +126,7 @@ def _count_kernel(
     HAS_HEALTH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     valid_slots = num_valid * TOP_K
@@ -182,9 +189,7 @@ def _scatter_kernel(
     HAS_NUM_VALID_PTR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     valid_slots = num_valid * TOP_K

@@ -35,7 +35,7 @@ from safemoe._checks import NumValid
 from safemoe._triton import interpreter_enabled
 from safemoe.configs import ExpertsConfig, GemmTiles, get_config
 from safemoe.kernels.combine import combine_into
-from safemoe.kernels.dispatch import dispatch_into, launch_options, pdl_supported
+from safemoe.kernels.dispatch import dispatch_into, launch_options, pdl_supported, wait_for_previous_kernel
 from safemoe.workspace import Workspace, WorkspaceViews, max_m_blocks, num_bins
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2}
@@ -71,6 +71,26 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS: tl.constexpr):
+    """(M-blocks in use, [NUM_BINS] block ends with int32 max past E) of this launch's layout."""
+    bins = tl.arange(0, NUM_BINS)
+    return tl.load(num_blocks_ptr), tl.load(block_end_ptr + bins, mask=bins < num_experts, other=2147483647)
+
+
+@triton.jit
+def _tile_rows(tile, num_m_blocks, num_n_blocks, block_end, sorted_slots_ptr, BLOCK_M: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """(n_block, expert, rows, slots) of a tile. The M-block's expert is the number of experts whose
+    inclusive block end is <= the block index (one vector compare, no search); rows are sorted
+    positions, slots hold -1 in padding positions."""
+    m_block, n_block = _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
+    expert = tl.sum((block_end <= m_block).to(tl.int32), 0)
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + rows)
+    return n_block, expert, rows, slots
+
+
+@triton.jit
 def _gemm1_kernel(
     # inputs
     x_ptr,  # [T, H]
@@ -100,18 +120,12 @@ def _gemm1_kernel(
     USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    num_m_blocks = tl.load(num_blocks_ptr)
+    wait_for_previous_kernel(USE_PDL)
+    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
-    bins = tl.arange(0, NUM_BINS)
-    block_end = tl.load(block_end_ptr + bins, mask=bins < num_experts, other=2147483647)
     for tile in range(tl.program_id(0), num_m_blocks * num_n_blocks, tl.num_programs(0)):
-        m_block, n_block = _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
-        expert = tl.sum((block_end <= m_block).to(tl.int32), 0)
-        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots = tl.load(sorted_slots_ptr + rows)
+        n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
+                                                  sorted_slots_ptr, BLOCK_M, GROUP_M)
         row_ok = slots >= 0
         tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -186,18 +200,12 @@ def _gemm2_kernel(
     USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    num_m_blocks = tl.load(num_blocks_ptr)
+    wait_for_previous_kernel(USE_PDL)
+    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
-    bins = tl.arange(0, NUM_BINS)
-    block_end = tl.load(block_end_ptr + bins, mask=bins < num_experts, other=2147483647)
     for tile in range(tl.program_id(0), num_m_blocks * num_n_blocks, tl.num_programs(0)):
-        m_block, n_block = _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
-        expert = tl.sum((block_end <= m_block).to(tl.int32), 0)
-        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots = tl.load(sorted_slots_ptr + rows)
+        n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
+                                                  sorted_slots_ptr, BLOCK_M, GROUP_M)
         row_ok = slots >= 0
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         w_cols = (cols % hidden).to(tl.int64)
@@ -332,13 +340,14 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
 def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                        dtype: torch.dtype, device: torch.device, cfg: ExpertsConfig) -> ExpertsConfig | None:
     """The tiles for few valid rows (num_valid <= SMALL_BATCH_TOKENS) in a batch whose bucket is
-    larger, when they differ from the batch's own: a graph captured for 1024 rows then replays a
-    decode step at decode speed instead of with prefill tiles."""
+    larger, when the batch's own tiles are of another regime (a larger BLOCK_M): a graph captured
+    for 1024 rows then replays a decode step with decode tiles instead of prefill tiles. Between
+    two decode configs the switch is not worth its two extra (empty) launches, which cost ~2% at
+    T = 64 on the Qwen3 shape (H200, run 2)."""
     if num_tokens <= SMALL_BATCH_TOKENS:
         return None
     small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device)
-    same = (small.block_m, small.gemm1, small.gemm2) == (cfg.block_m, cfg.gemm1, cfg.gemm2)
-    return None if same else small
+    return small if small.block_m < cfg.block_m else None
 
 
 def experts_triton(
