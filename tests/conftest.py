@@ -10,7 +10,7 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

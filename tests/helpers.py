@@ -18,8 +18,15 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 STALE_ID = 123456789  # what a torch.empty buffer once held in vLLM #41834
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
-                 atol: float | None = None, rtol: float | None = None, what: str = "") -> None:
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    what: str = "",
+) -> None:
     """Values within the dtype's tolerance; NaN never passes; prints the worst mismatches."""
     assert actual.shape == expected.shape, f"{what} shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     default_atol, default_rtol = TOLERANCES[dtype or expected.dtype]
@@ -36,7 +43,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
         lines = []
         for i in worst.tolist():
             idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), a.shape))
-            lines.append(f"  at {idx}: actual {a.reshape(-1)[i].item():.6g} expected {e.reshape(-1)[i].item():.6g}")
+            got, want = a.reshape(-1)[i].item(), e.reshape(-1)[i].item()
+            lines.append(f"  at {idx}: actual {got:.6g} expected {want:.6g}")
         raise AssertionError(
             f"{what} {int(bad.sum())}/{a.numel()} elements differ (atol={atol}, rtol={rtol}); worst:\n"
             + "\n".join(lines)
@@ -65,8 +73,14 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.dev
     return torch.full(shape, STALE_ID, dtype=dtype, device=device)
 
 
-def tie_free_logits(num_tokens: int, num_experts: int, *, dtype: torch.dtype = torch.float32,
-                    generator: torch.Generator | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+def tie_free_logits(
+    num_tokens: int,
+    num_experts: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
     """Logits whose values in a row are distinct steps of min(1/8, 16/E) inside [-8, 8).
 
     The steps are far apart relative to fp32 rounding of softmax and sigmoid (sigmoid(8) is still

@@ -12,7 +12,10 @@ import torch
 
 import safemoe
 
-PUBLIC = {"route", "experts", "moe", "Routing", "new_health_tensor", "HEALTH_SLOTS", "__version__"}
+PUBLIC = {
+    "route", "experts", "moe", "Routing", "new_health_tensor", "HEALTH_SLOTS", "__version__",
+    "MoE", "Workspace", "workspace_bytes", "CUDAGraphRunner", "zero_padding_", "Health",
+}
 
 
 def test_version() -> None:

@@ -7,18 +7,28 @@ from safemoe._triton import configure_interpreter
 configure_interpreter()
 
 from safemoe.experts import experts  # noqa: E402
-from safemoe.health import HEALTH_SLOTS, new_health_tensor  # noqa: E402
+from safemoe.graphs import CUDAGraphRunner  # noqa: E402
+from safemoe.health import HEALTH_SLOTS, Health, new_health_tensor  # noqa: E402
 from safemoe.layer import moe  # noqa: E402
+from safemoe.module import MoE  # noqa: E402
+from safemoe.padding import zero_padding_  # noqa: E402
 from safemoe.routing import Routing, route  # noqa: E402
+from safemoe.workspace import Workspace, workspace_bytes  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HEALTH_SLOTS",
+    "CUDAGraphRunner",
+    "Health",
+    "MoE",
     "Routing",
+    "Workspace",
     "__version__",
     "experts",
     "moe",
     "new_health_tensor",
     "route",
+    "workspace_bytes",
+    "zero_padding_",
 ]
