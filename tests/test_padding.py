@@ -71,29 +71,33 @@ def test_zero_padding_dtypes_3d(dtype):
     assert_equal(zero_padding_(t.clone(), torch.tensor(2)), expected(t, 2))
 
 
-# The Triton kernel itself, under the interpreter on CPU (the CUDA path of zero_padding_).
+# The Triton kernel itself: compiled on a CUDA machine, under the interpreter on CPU.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize(
     "shape,count",
     [((5, 7), 2), ((1, 3), 0), ((9, 1), 1), ((4, 3), 4), ((3000, 3), 5), ((4, 2, 3), 1)],
 )
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_zero_padding_triton_kernel(shape, count, as_tensor):
-    t = torch.randn(shape, dtype=torch.float16)
-    nv = torch.tensor(count, dtype=torch.int32) if as_tensor else count
+    t = torch.randn(shape, dtype=torch.float16, device=KERNEL_DEVICE)
+    nv = torch.tensor(count, dtype=torch.int32, device=KERNEL_DEVICE) if as_tensor else count
     out = t.clone()
     _zero_padding_triton(out, check_num_valid(nv, t.shape[0], t.device))
     assert_equal(out, expected(t, count))
 
 
 def test_zero_padding_triton_kernel_row_stride_and_clamp():
-    base = torch.randn(7, 12)
+    base = torch.randn(7, 12, device=KERNEL_DEVICE)
     out = base.clone()
-    _zero_padding_triton(out[:, 3:8], check_num_valid(torch.tensor(3), 7, out.device))
+    _zero_padding_triton(out[:, 3:8], check_num_valid(torch.tensor(3, device=out.device), 7, out.device))
     e = base.clone()
     e[3:, 3:8] = 0
     assert_equal(out, e)
     out = base.clone()
-    _zero_padding_triton(out, check_num_valid(torch.tensor(100, dtype=torch.int64), 7, out.device))
+    too_many = torch.tensor(100, dtype=torch.int64, device=out.device)
+    _zero_padding_triton(out, check_num_valid(too_many, 7, out.device))
     assert_equal(out, base)
 
 
