@@ -1,0 +1,533 @@
+"""Expert parallelism: each rank owns a contiguous block of E / W experts; token rows travel to the
+ranks owning their experts with all-to-all and come back combined.
+
+One call on rank r of W ranks (E experts, E_local = E / W; rank r owns global ids
+[r * E_local, (r + 1) * E_local)), x [T, H] with `num_valid` real rows:
+
+1. Plan (source side). A slot (t, k) is served when t < num_valid and 0 <= ids[t, k] < E; every
+   other id (-1, negative, >= E, a stale 123456789 from a torch.empty buffer) is dropped, counted
+   in health[DROPPED_SLOTS], and never used as an index or sent. A row goes ONCE to each peer p
+   owning at least one of its served experts (need[t, p]), carrying its K GLOBAL ids with the
+   slots of other peers set to -1 (weight 0). A peer's rows are sent in increasing t. Padded rows
+   (t >= num_valid) have no served slot, so they are never sent and never read.
+2. Exchange: one all_to_all_single of the packed rows: x's bytes, then K int32 ids and K float32
+   weights (one collective instead of three; the wire is raw bytes, so any dtype travels).
+3. Receive: global -> LOCAL ids, bounds-checked again: an id outside this rank's block becomes -1
+   (other peers' slots are -1 on the wire already; anything else is a stray, counted in
+   DROPPED_SLOTS). `safemoe.experts` runs on the received rows with local ids and its own row
+   count, and sums each row's local experts with their weights.
+4. Return: one all_to_all_single of the [rows, H] partial outputs back to their sources.
+5. Combine: out[t] = sum over peers p = 0, 1, ..., W-1 (in that order, in fp32) of p's partial
+   for t, rounded once to x's dtype: the result does not depend on timing. Rows never sent are
+   exact zeros. (Each partial was rounded to x's dtype by the expert kernel; in bf16 a row served
+   by several ranks carries one extra rounding against the single-GPU layer.)
+
+Modes:
+- "dynamic": exact split sizes. The per-peer row counts are exchanged first (all_to_all_single of
+  W int64) and read on the host: ONE host sync per call, to size the buffers. Ranks may hold
+  different T. Not CUDA-graph capturable.
+- "capacity": every peer slot of the wire holds a fixed C rows (unused rows zero-filled and
+  carrying ids -1), so the shapes depend only on (W, C, H, K): no host sync, capturable in a CUDA
+  graph, replayable with any device `num_valid`. Every rank must use the same C (with the default
+  C = T: the same T, i.e. the common bucket of `safemoe.distributed.bucket`). Overflow policy: a
+  peer takes a rank's rows in increasing t; rows past its C are not sent, so their slots on that
+  peer lose that expert's contribution (its weight is dropped, the other weights are not
+  renormalised), the rest of the row (other peers' experts) is intact, and each lost slot adds 1
+  to health[EP_OVERFLOW_SLOTS]. Nothing is ever written out of bounds: C >= T never overflows,
+  because a row goes at most once to a peer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from safemoe import _checks
+from safemoe.experts import experts
+from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, Health, check_health
+from safemoe.module import Router
+from safemoe.routing import Routing
+
+MODES = ("dynamic", "capacity")
+
+# Wire row: x's H elements as bytes, padded to 4 bytes, then K int32 ids and K float32 weights.
+_META_BYTES_PER_SLOT = 8
+_META_ALIGN = 4
+
+
+@dataclass(frozen=True)
+class EPLayout:
+    """Expert ownership: rank `rank` of `world_size` owns the global expert ids
+    [first_expert, first_expert + experts_per_rank), contiguous blocks of E / world_size."""
+
+    world_size: int
+    rank: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "rank", "num_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"EPLayout {name} must be an int, got {type(value).__name__}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"EPLayout needs 0 <= rank < world_size, got {self.rank=} {self.world_size=}")
+        if self.num_experts < self.world_size or self.num_experts % self.world_size != 0:
+            raise ValueError(
+                f"num_experts={self.num_experts} must be a positive multiple of the world size "
+                f"{self.world_size} (each rank owns E / world experts)"
+            )
+
+    @classmethod
+    def of_group(cls, num_experts: int, group: Any = None) -> EPLayout:
+        """The layout of this process in `group` (None: the default group)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "expert parallelism needs torch.distributed: call "
+                "torch.distributed.init_process_group(backend, timeout=...) first "
+                "(or use safemoe.distributed.spawn)"
+            )
+        return cls(dist.get_world_size(group), dist.get_rank(group), num_experts)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def first_expert(self) -> int:
+        return self.rank * self.experts_per_rank
+
+    def owner(self, ids: torch.Tensor, served: torch.Tensor) -> torch.Tensor:
+        """[T, K] int32: the rank owning each served global id, -1 elsewhere (never divides an
+        unserved id into something that looks like a rank)."""
+        return torch.where(served, torch.div(ids, self.experts_per_rank, rounding_mode="floor"), -1)
+
+    def to_local(self, global_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local ids int32, ok bool): local = global - first_expert where the global id is in this
+        rank's block, -1 everywhere else. The range test runs on the global id itself, so no
+        subtraction can wrap a garbage id into range."""
+        ok = (global_ids >= self.first_expert) & (global_ids < self.first_expert + self.experts_per_rank)
+        local = torch.where(ok, global_ids - self.first_expert, -1).to(torch.int32)
+        return local, ok
+
+
+@dataclass
+class _Plan:
+    """Where a rank's rows go. T rows, K slots, W peers."""
+
+    served: torch.Tensor  # [T, K] bool: row valid and id in [0, E)
+    hit: torch.Tensor  # [T, K, W] bool: slot (t, k) is served by peer p
+    need: torch.Tensor  # [T, W] bool: row t has at least one served slot on peer p
+    pos: torch.Tensor  # [T, W] int64: rank of row t among the rows that need peer p (from 0)
+    owner: torch.Tensor  # [T, K] int32: the peer owning the slot, -1 when not served
+
+
+def _plan(ids: torch.Tensor, rows_valid: torch.Tensor, layout: EPLayout) -> _Plan:
+    in_range = (ids >= 0) & (ids < layout.num_experts)
+    served = rows_valid[:, None] & in_range  # [T, K]
+    owner = layout.owner(ids, served)  # [T, K] int32
+    peers = torch.arange(layout.world_size, device=ids.device, dtype=owner.dtype)
+    hit = owner[:, :, None] == peers  # [T, K, W]; -1 matches no peer
+    need = hit.any(dim=1)  # [T, W]
+    pos = torch.cumsum(need, dim=0, dtype=torch.int64) - 1  # [T, W]
+    return _Plan(served=served, hit=hit, need=need, pos=pos, owner=owner)
+
+
+def _wire_layout(hidden: int, top_k: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(x bytes, meta offset, row bytes) of one wire row."""
+    x_bytes = hidden * torch.empty((), dtype=dtype).element_size()
+    meta_offset = -(-x_bytes // _META_ALIGN) * _META_ALIGN
+    return x_bytes, meta_offset, meta_offset + _META_BYTES_PER_SLOT * top_k
+
+
+def wire_row_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:
+    """Bytes of one dispatched row on the wire (x, then K ids and K weights)."""
+    return _wire_layout(hidden, top_k, dtype)[2]
+
+
+def _pack(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    owner: torch.Tensor,
+    send_token: torch.Tensor,
+    send_peer: torch.Tensor,
+) -> torch.Tensor:
+    """uint8 [S, row bytes]: wire row j holds token send_token[j] (-1: unused, all zeros and ids
+    -1) for peer send_peer[j], with only that peer's slots kept."""
+    num_tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    x_bytes, meta_offset, row_bytes = _wire_layout(hidden, top_k, x.dtype)
+    rows = send_token.shape[0]
+    wire = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
+    used = send_token >= 0  # [S]
+    if num_tokens == 0:  # nothing to gather from; every row is unused
+        wire.zero_()
+        wire[:, meta_offset:].view(torch.int32)[:, :top_k] = -1
+        return wire
+    token = send_token.clamp(min=0)  # [S]: -1 never becomes an index
+    xs = x.index_select(0, token)  # unused rows read row 0, maybe padding (NaN): overwritten next
+    xs.masked_fill_(~used[:, None], 0)
+    wire[:, :x_bytes].view(x.dtype).copy_(xs)
+    if meta_offset > x_bytes:
+        wire[:, x_bytes:meta_offset].zero_()
+    mine = (owner.index_select(0, token) == send_peer[:, None]) & used[:, None]  # [S, K]
+    meta = wire[:, meta_offset:].view(torch.int32)  # [S, 2K]
+    meta[:, :top_k] = torch.where(mine, ids.index_select(0, token), -1)
+    meta[:, top_k:] = torch.where(mine, weights.index_select(0, token), 0.0).view(torch.int32)
+    return wire
+
+
+def _unpack(
+    wire: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [S, H] contiguous, global ids [S, K] int32, weights [S, K] float32) of received rows."""
+    x_bytes, meta_offset, _ = _wire_layout(hidden, top_k, dtype)
+    x = wire[:, :x_bytes].view(dtype).contiguous()
+    meta = wire[:, meta_offset:].view(torch.int32)
+    ids = meta[:, :top_k].contiguous()
+    weights = meta[:, top_k:].contiguous().view(torch.float32)
+    return x, ids, weights
+
+
+def capacity_rows(capacity: int | float | None, num_tokens: int) -> int:
+    """Per-peer rows C: None -> T (never overflows); an int -> itself; a float f -> ceil(f * T).
+    At least 1 (a zero-row collective is legal but useless)."""
+    if capacity is None:
+        return max(1, num_tokens)
+    if isinstance(capacity, bool):
+        raise TypeError("capacity must be None, an int or a float, got bool")
+    if isinstance(capacity, int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 rows per peer, got {capacity}")
+        return capacity
+    if isinstance(capacity, float):
+        if not (math.isfinite(capacity) and capacity > 0):
+            raise ValueError(f"capacity as a factor of T must be finite and > 0, got {capacity}")
+        return max(1, math.ceil(capacity * num_tokens))
+    raise TypeError(f"capacity must be None, an int or a float, got {type(capacity).__name__}")
+
+
+def check_mode(mode: object, capacity: object) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "dynamic" and capacity is not None:
+        raise ValueError(f"capacity={capacity!r} is only used with mode='capacity'")
+    if mode == "capacity":
+        capacity_rows(capacity, 1)  # type and range
+    return str(mode)
+
+
+def _all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    group: Any,
+) -> None:
+    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+
+
+def ep_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    *,
+    num_experts: int,
+    group: Any = None,
+    mode: str = "dynamic",
+    capacity: int | float | None = None,
+    activation: str = "silu",
+    num_valid: int | torch.Tensor | None = None,
+    backend: str = "auto",
+    health: torch.Tensor | None = None,
+    workspace: Any = None,
+) -> torch.Tensor:
+    """Expert-parallel `safemoe.experts`: this rank's x [T, H] and routing (GLOBAL ids in [0, E)),
+    this rank's experts w13 [E/W, 2I, H] and w2 [E/W, H, I]; returns [T, H] in x's dtype.
+
+    Every rank of `group` must call it together (same mode; in "capacity" mode the same C).
+    num_valid: rows at or past it are padding: never read, never sent, output exact zeros.
+    capacity ("capacity" mode): rows per peer, None -> T, an int, or a float factor of T.
+    health: DROPPED_SLOTS (ids outside [0, E) in valid rows, stray ids received) and, in
+        "capacity" mode, EP_OVERFLOW_SLOTS (slots not sent for lack of capacity).
+    workspace: passed to the local `safemoe.experts` call, which sees W * C rows in "capacity"
+        mode and the received row count in "dynamic" mode.
+    """
+    num_tokens, local_experts, hidden, _ = _checks.check_experts_args(x, w13, w2, activation)
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a safemoe.Routing, got {type(routing).__name__}")
+    _checks.check_routing_tensors(routing.ids, routing.weights, num_tokens, x.device)
+    mode = check_mode(mode, capacity)
+    nv = _checks.check_num_valid(num_valid, num_tokens, x.device)
+    check_health(health, x.device)
+    layout = EPLayout.of_group(num_experts, group)
+    if local_experts != layout.experts_per_rank:
+        raise ValueError(
+            f"w13 holds {local_experts} experts, but E={num_experts} over {layout.world_size} ranks "
+            f"gives {layout.experts_per_rank} per rank"
+        )
+    world, top_k = layout.world_size, routing.ids.shape[1]
+    device = x.device
+
+    # 1. Plan: served slots, their owners, one row per (token, peer).
+    rows_valid = nv.row_mask(num_tokens, device)  # [T] bool
+    plan = _plan(routing.ids, rows_valid, layout)
+    if health is not None:
+        in_range = (routing.ids >= 0) & (routing.ids < num_experts)
+        health[DROPPED_SLOTS] += (rows_valid[:, None] & ~in_range).sum()
+
+    send_splits: list[int] | None
+    recv_splits: list[int] | None
+    if mode == "dynamic":
+        send_counts = plan.need.sum(dim=0)  # [W] int64
+        recv_counts = torch.empty_like(send_counts)
+        _all_to_all(recv_counts, send_counts, None, None, group)
+        counts = torch.cat([send_counts, recv_counts]).tolist()  # the dynamic mode's one host sync
+        send_splits, recv_splits = counts[:world], counts[world:]
+        send_rows, recv_rows = sum(send_splits), sum(recv_splits)
+        placed = plan.need
+        base = torch.cumsum(send_counts, 0) - send_counts  # [W] first wire row of each peer
+        send_peer = torch.repeat_interleave(
+            torch.arange(world, device=device), send_counts, output_size=send_rows
+        )
+    else:
+        cap = capacity_rows(capacity, num_tokens)
+        send_splits = recv_splits = None
+        send_rows = recv_rows = world * cap
+        placed = plan.need & (plan.pos < cap)  # [T, W]
+        if health is not None:
+            health[EP_OVERFLOW_SLOTS] += (plan.hit & ~placed[:, None, :]).sum()
+        base = torch.arange(world, device=device) * cap
+        send_peer = torch.arange(send_rows, device=device) // cap
+
+    # Wire row of each (token, peer); rows not placed point at a trash row past the end.
+    row_of = torch.where(placed, base[None, :] + plan.pos, send_rows)  # [T, W] int64
+    token_of = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, world)
+    send_token = torch.full((send_rows + 1,), -1, dtype=torch.int64, device=device)
+    send_token.scatter_(0, row_of.reshape(-1), token_of.reshape(-1))  # the trash row may take many
+    send_token = send_token[:send_rows]
+
+    # 2. Exchange the packed rows.
+    wire = _pack(x, routing.ids, routing.weights, plan.owner, send_token, send_peer)
+    received = torch.empty(recv_rows, wire.shape[1], dtype=torch.uint8, device=device)
+    _all_to_all(received, wire, recv_splits, send_splits, group)
+
+    # 3. Local experts on the received rows, local ids bounds-checked.
+    x_recv, global_ids, weights_recv = _unpack(received, hidden, top_k, x.dtype)
+    local_ids, ok = layout.to_local(global_ids)
+    if health is not None:
+        health[DROPPED_SLOTS] += ((global_ids != -1) & ~ok).sum()  # strays: not ours, not empty
+    local_routing = Routing(weights=torch.where(ok, weights_recv, 0.0), ids=local_ids)
+    y = experts(
+        x_recv, w13, w2, local_routing, activation=activation, backend=backend, workspace=workspace
+    )  # [recv rows, H]
+
+    # 4. Send the partial outputs back; the extra zero row answers every row_of pointing at trash.
+    row_bytes = y.shape[1] * y.element_size()
+    back = torch.empty(send_rows + 1, row_bytes, dtype=torch.uint8, device=device)
+    back[send_rows:].zero_()
+    _all_to_all(back[:send_rows], y.view(torch.uint8), send_splits, recv_splits, group)
+    partials = back.view(x.dtype)  # [send rows + 1, H]
+
+    # 5. Combine in a fixed peer order, in fp32, rounded once.
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
+    for peer in range(world):
+        out.add_(partials.index_select(0, row_of[:, peer]))
+    return out.to(x.dtype)
+
+
+class EPMoE(nn.Module):
+    """An expert-parallel MoE layer: the router is replicated, the experts split over the ranks.
+
+    Parameters on rank r: `gate.weight` [E, H] (+ `gate.bias`, `gate.selection_bias` as in
+    `safemoe.MoE`), `w13` [E/W, 2I, H] and `w2` [E/W, H, I] holding global experts
+    [r * E/W, (r + 1) * E/W). The router must hold the same weights on every rank: build with
+    `EPMoE.from_moe(moe)` or load them (`load_experts` slices a global [E, ...] tensor).
+
+    mode: "dynamic" (exact sizes, one host sync per call) or "capacity" (fixed `capacity` rows per
+        peer, CUDA-graph capturable); see safemoe.distributed.ep.
+    group: the process group (None: default). workspace / health / backend as in `safemoe.MoE`.
+    forward(x [..., H], num_valid) -> [..., H]; rows at or past num_valid come out as exact zeros.
+    Not supported here: expert biases and shared experts (run a shared expert data-parallel).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        group: Any = None,
+        mode: str = "dynamic",
+        capacity: int | float | None = None,
+        scoring: str = "softmax",
+        renormalize: bool = True,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        routed_scaling_factor: float = 1.0,
+        activation: str = "silu",
+        router_bias: bool = False,
+        selection_bias: bool = False,
+        router_logits_fp32: bool = False,
+        workspace: Any = None,
+        health: Health | torch.Tensor | None = None,
+        backend: str = "auto",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in _checks.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {_checks.ACTIVATIONS}, got {activation!r}")
+        self.layout = EPLayout.of_group(num_experts, group)
+        self.group = group
+        self.mode = check_mode(mode, capacity)
+        self.capacity = capacity
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.activation = activation
+        self.backend = _checks.check_backend(backend)
+        self.workspace = workspace
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.gate = Router(
+            hidden_size,
+            num_experts,
+            top_k,
+            scoring=scoring,
+            renormalize=renormalize,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+            bias=router_bias,
+            selection_bias=selection_bias,
+            logits_fp32=router_logits_fp32,
+            backend=backend,
+            **factory,
+        )
+        local = self.layout.experts_per_rank
+        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **factory))
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, intermediate_size, **factory))
+        if self.w13.device.type != "meta":
+            with torch.no_grad():
+                self.w13.normal_(0.0, 0.02)
+                self.w2.normal_(0.0, 0.02)
+        self._health: torch.Tensor | None = None
+        self.set_health(health)
+
+    @classmethod
+    def from_moe(
+        cls,
+        moe: nn.Module,
+        *,
+        group: Any = None,
+        mode: str = "dynamic",
+        capacity: int | float | None = None,
+        workspace: Any = None,
+        health: Health | torch.Tensor | None = None,
+        backend: str | None = None,
+    ) -> EPMoE:
+        """This rank's share of a `safemoe.MoE` (same router on every rank, experts sliced)."""
+        if getattr(moe, "expert_bias", False) or getattr(moe, "shared_expert", None) is not None:
+            raise ValueError("EPMoE.from_moe: expert biases and shared experts are not supported")
+        gate = moe.gate
+        ep = cls(
+            moe.hidden_size,
+            moe.intermediate_size,
+            moe.num_experts,
+            moe.top_k,
+            group=group,
+            mode=mode,
+            capacity=capacity,
+            scoring=gate.scoring,
+            renormalize=gate.renormalize,
+            n_group=gate.n_group,
+            topk_group=gate.topk_group,
+            routed_scaling_factor=gate.routed_scaling_factor,
+            activation=moe.activation,
+            router_bias=gate.bias is not None,
+            selection_bias=gate.selection_bias is not None,
+            router_logits_fp32=gate.logits_fp32,
+            workspace=workspace,
+            health=health,
+            backend=moe.backend if backend is None else backend,
+            dtype=moe.w13.dtype,
+            device=moe.w13.device,
+        )
+        with torch.no_grad():
+            ep.gate.weight.copy_(gate.weight)
+            if gate.bias is not None:
+                ep.gate.bias.copy_(gate.bias)
+            if gate.selection_bias is not None:
+                ep.gate.selection_bias.copy_(gate.selection_bias)
+        ep.load_experts(moe.w13, moe.w2)
+        return ep
+
+    @property
+    def health(self) -> torch.Tensor | None:
+        return self._health
+
+    def set_health(self, health: Health | torch.Tensor | None) -> None:
+        """Make the router and the exchange add to `health` (a Health or its tensor); None: off."""
+        tensor = health.tensor if isinstance(health, Health) else health
+        if tensor is not None:
+            check_health(tensor, tensor.device)
+        self._health = tensor
+        self.gate.health = tensor
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Copy expert weights in: global [E, 2I, H] / [E, H, I] (this rank's block is taken) or
+        already local [E/W, ...]."""
+        first, local = self.layout.first_expert, self.layout.experts_per_rank
+        with torch.no_grad():
+            for name, param, src in (("w13", self.w13, w13), ("w2", self.w2, w2)):
+                if src.shape[0] == self.num_experts and self.num_experts != local:
+                    src = src[first : first + local]
+                if tuple(src.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{name} must be [E={self.num_experts}, ...] or [E/W={local}, ...] with "
+                        f"trailing dims {tuple(param.shape[1:])}, got {tuple(src.shape)}"
+                    )
+                param.copy_(src)
+
+    def forward(self, x: torch.Tensor, num_valid: int | torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]; rows (of the flattened x) at or past num_valid come out as zeros."""
+        shape = x.shape
+        if shape[-1] != self.hidden_size:
+            raise ValueError(f"x must end with H={self.hidden_size}, got shape {tuple(shape)}")
+        x2 = x.reshape(-1, self.hidden_size)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        weights, ids = self.gate(x2, num_valid)  # [T, K] f32, [T, K] i32, global ids
+        out = ep_experts(
+            x2,
+            self.w13,
+            self.w2,
+            Routing(weights=weights, ids=ids),
+            num_experts=self.num_experts,
+            group=self.group,
+            mode=self.mode,
+            capacity=self.capacity,
+            activation=self.activation,
+            num_valid=num_valid,
+            backend=self.backend,
+            health=self._health,
+            workspace=self.workspace,
+        )
+        return out.view(shape)
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (
+            f"H={self.hidden_size}, I={self.intermediate_size}, E={self.num_experts}, K={self.top_k}, "
+            f"rank={lay.rank}/{lay.world_size}, experts=[{lay.first_expert}, "
+            f"{lay.first_expert + lay.experts_per_rank}), mode={self.mode}, capacity={self.capacity}, "
+            f"activation={self.activation}, backend={self.backend}"
+        )

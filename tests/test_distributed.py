@@ -1,0 +1,440 @@
+"""Expert parallelism on CPU (gloo): EPMoE / ep_experts against a single-process reference.
+
+Spawned groups of 2 and 4 ranks (one group per world size, reused by every check: process start
+is the expensive part) run `rank_checks`: ragged real-token counts including a rank with none,
+each rank padded to the common bucket with NaN rows, stale ids in padded rows, out-of-range ids in
+valid rows, both modes, capacity overflow counted exactly. The GPU file runs the same checks with
+NCCL in bf16 (tests/gpu/test_distributed_gpu.py). Checks make all their collectives first and
+assert after, so one failing check cannot desynchronise the ranks for the next one.
+
+Inputs are quantised (x and router weights multiples of 1/8) so the router logits are exact in
+fp32 whatever the matmul's summation order: the EP layer (logits of a padded per-rank batch) and
+the reference (logits of all real rows at once) route identically, and the comparison is about
+the exchange, not about near-ties.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import STALE_ID, assert_close, assert_equal, garbage_ids
+from safemoe._checks import NumValid
+from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
+from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode
+from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
+from safemoe.module import MoE
+from safemoe.reference import experts_reference, route_reference
+from safemoe.routing import Routing
+
+H, I, E, K = 16, 8, 8, 3  # noqa: E741 (the project's shape names)
+BUCKETS = (1, 2, 4, 8, 16, 32)
+# Real tokens per rank; each tuple is one scenario (a rank with 0 real tokens in each).
+COUNTS = {2: ((6, 0), (3, 13)), 4: ((5, 0, 3, 8),)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a group of ranks runs: device, dtype, backend, and the router's logits dtype."""
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    backend: str = "reference"
+    shapes: tuple[int, int, int, int] = (H, I, E, K)
+
+
+class Ctx:
+    """One rank's view of a scenario: the global inputs (identical on every rank: same seeds)."""
+
+    def __init__(self, rank: int, world: int, setup: Setup, counts: tuple[int, ...]) -> None:
+        self.rank, self.world, self.setup, self.counts = rank, world, setup, counts
+        self.device, self.dtype = torch.device(setup.device), setup.dtype
+        hidden, inter, experts, top_k = setup.shapes
+        self.hidden, self.inter, self.experts, self.top_k = hidden, inter, experts, top_k
+        gen = torch.Generator().manual_seed(1234)
+        total = sum(counts)
+        # Multiples of 1/8: exact in bf16, and logits sums exact in fp32 (see the module docstring).
+        self.x_all = (torch.randint(-8, 9, (total, hidden), generator=gen) / 8).to(self.dtype)
+        self.n = counts[rank]
+        self.first_row = sum(counts[:rank])
+        self.x_own = self.x_all[self.first_row : self.first_row + self.n].to(self.device)
+        self.gen = gen
+
+    def moe(self, **kwargs: object) -> MoE:
+        """The single-process layer (reference backend), identical on every rank."""
+        hidden, inter, experts, top_k = self.setup.shapes
+        moe = MoE(hidden, inter, experts, top_k, backend="reference", dtype=self.dtype, device=self.device,
+                  **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        gen = torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            moe.gate.weight.copy_(torch.randint(-8, 9, moe.gate.weight.shape, generator=gen) / 8)
+            moe.w13.copy_(torch.randn(moe.w13.shape, generator=gen) * hidden**-0.5)
+            moe.w2.copy_(torch.randn(moe.w2.shape, generator=gen) * inter**-0.5)
+            if moe.gate.selection_bias is not None:
+                moe.gate.selection_bias.copy_(torch.randint(-4, 5, (experts,), generator=gen) / 64)
+        return moe
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows padded to the common bucket, padding rows NaN."""
+        return pad_to_common_bucket(self.x_own, self.n, buckets=BUCKETS, fill=float("nan"))
+
+    def bucket(self) -> int:
+        most = max(self.counts)
+        return min(b for b in BUCKETS if b >= most) if most <= BUCKETS[-1] else most
+
+    def own_rows(self, all_rows: torch.Tensor) -> torch.Tensor:
+        return all_rows[self.first_row : self.first_row + self.n]
+
+    def ep_kwargs(self) -> dict:
+        return {"backend": self.setup.backend}
+
+
+def _full_reference(ctx: Ctx, moe: MoE) -> torch.Tensor:
+    """The single-process layer on the real rows of ALL ranks, concatenated; this rank's rows."""
+    with torch.no_grad():
+        return ctx.own_rows(moe(ctx.x_all.to(ctx.device)))
+
+
+def _check_padded_zero(out: torch.Tensor, n: int, what: str) -> None:
+    assert_equal(out[n:], torch.zeros_like(out[n:]), what=f"{what}: padded rows")
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks run on every rank of a spawned group. Collectives first, asserts last.
+# ------------------------------------------------------------------------------------------------
+
+
+def check_common_bucket(ctx: Ctx) -> None:
+    local = torch.tensor(ctx.n, dtype=torch.int32, device=ctx.device)
+    agreed = common_bucket(local, buckets=BUCKETS)
+    raw = common_bucket(local)
+    from_int = common_bucket(ctx.n, device=ctx.device)
+    x_pad, nv = ctx.padded()
+    assert agreed.dim() == 0 and agreed.device == ctx.device
+    assert int(agreed) == ctx.bucket(), (int(agreed), ctx.counts)
+    assert int(raw) == max(ctx.counts) == int(from_int)
+    assert x_pad.shape == (ctx.bucket(), ctx.hidden) and int(nv) == ctx.n and nv.dtype == torch.int32
+    assert bool(torch.isnan(x_pad[ctx.n :]).all())
+    assert_equal(x_pad[: ctx.n], ctx.x_own, what="real rows kept")
+
+
+def _layer_check(ctx: Ctx, **moe_kwargs: object) -> None:
+    moe = ctx.moe(**moe_kwargs)
+    x_pad, nv = ctx.padded()
+    outs, healths = {}, {}
+    for mode in ("dynamic", "capacity"):
+        health = new_health_tensor(ctx.device)
+        ep = EPMoE.from_moe(moe, mode=mode, health=health, **ctx.ep_kwargs())
+        with torch.no_grad():
+            outs[mode] = ep(x_pad, num_valid=nv)
+        healths[mode] = health.tolist()
+    want = _full_reference(ctx, moe)
+    for mode, out in outs.items():
+        assert_close(out[: ctx.n], want, dtype=ctx.dtype, what=f"{mode}: real rows vs single process")
+        _check_padded_zero(out, ctx.n, mode)
+        health = healths[mode]
+        assert health[PADDED_ROWS] == ctx.bucket() - ctx.n, health
+        assert health[DROPPED_SLOTS] == health[EP_OVERFLOW_SLOTS] == health[NONFINITE_ROWS] == 0, health
+    # Enough capacity (C = the bucket): the same rows as the exact-size exchange.
+    assert_close(outs["capacity"], outs["dynamic"], dtype=ctx.dtype, what="capacity vs dynamic")
+
+
+def check_layer_softmax(ctx: Ctx) -> None:
+    _layer_check(ctx)
+
+
+def check_layer_grouped_sigmoid(ctx: Ctx) -> None:
+    """DeepSeek-V3's routing: sigmoid, selection bias, group-limited, scaled weights."""
+    _layer_check(
+        ctx, scoring="sigmoid", selection_bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+
+
+def check_deterministic(ctx: Ctx) -> None:
+    moe = ctx.moe()
+    x_pad, nv = ctx.padded()
+    runs = []
+    for mode in ("dynamic", "dynamic", "capacity", "capacity"):
+        ep = EPMoE.from_moe(moe, mode=mode, **ctx.ep_kwargs())
+        with torch.no_grad():
+            runs.append(ep(x_pad, num_valid=nv))
+    assert_equal(runs[0], runs[1], what="dynamic twice")
+    assert_equal(runs[2], runs[3], what="capacity twice")
+
+
+def _local_routing(ctx: Ctx, x: torch.Tensor, moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = moe.gate.logits(x.to(ctx.device))
+    return route_reference(logits.float(), ctx.top_k)
+
+
+def _expected_overflow(ids: torch.Tensor, n: int, cap: int, per_rank: int, world: int, num_experts: int):
+    """Plain-Python model of the capacity policy: ids with the overflowed slots set to -1, and the
+    number of such slots. A peer takes a rank's rows in increasing t, at most `cap` of them."""
+    kept = ids.clone()
+    taken = [0] * world
+    overflow = 0
+    for t in range(n):
+        owners = {int(e) // per_rank for e in ids[t].tolist() if 0 <= int(e) < num_experts}
+        for peer in sorted(owners):
+            taken[peer] += 1
+            if taken[peer] > cap:
+                for k in range(ids.shape[1]):
+                    e = int(ids[t, k])
+                    if 0 <= e < num_experts and e // per_rank == peer:
+                        kept[t, k] = -1
+                        overflow += 1
+    return kept, overflow
+
+
+def check_capacity_overflow(ctx: Ctx) -> None:
+    moe = ctx.moe()
+    x_pad, nv = ctx.padded()
+    results = {}
+    for cap in (1, 2):
+        health = new_health_tensor(ctx.device)
+        ep = EPMoE.from_moe(moe, mode="capacity", capacity=cap, health=health, **ctx.ep_kwargs())
+        with torch.no_grad():
+            results[cap] = (ep(x_pad, num_valid=nv), health.tolist())
+    with torch.no_grad():
+        weights, ids = _local_routing(ctx, ctx.x_own, moe)
+    per_rank = ctx.experts // ctx.world
+    for cap, (out, health) in results.items():
+        kept, overflow = _expected_overflow(ids.cpu(), ctx.n, cap, per_rank, ctx.world, ctx.experts)
+        want = experts_reference(ctx.x_own, moe.w13, moe.w2, weights, kept.to(ctx.device))
+        assert health[EP_OVERFLOW_SLOTS] == overflow, (cap, health, overflow)
+        assert health[DROPPED_SLOTS] == 0, health
+        assert_close(out[: ctx.n], want, dtype=ctx.dtype, what=f"capacity {cap}: overflowed slots dropped")
+        _check_padded_zero(out, ctx.n, f"capacity {cap}")
+
+
+def check_stale_ids_and_poisoned_padding(ctx: Ctx) -> None:
+    """ep_experts on hand-made routing: valid rows hold -1, -7, E, 123456789 and duplicates; padded
+    rows hold ids that look real or stale, NaN weights and NaN x."""
+    moe = ctx.moe()
+    bucket = ctx.bucket()
+    gen = torch.Generator().manual_seed(7 + ctx.rank)
+    ids = garbage_ids(bucket, ctx.top_k, ctx.experts, generator=gen)
+    ids[ctx.n :: 2] = STALE_ID
+    ids[ctx.n + 1 :: 2] = ctx.rank % ctx.experts  # padded rows that look like real routing
+    weights = torch.rand(bucket, ctx.top_k, generator=gen)
+    weights[ctx.n :] = float("nan")
+    x = torch.full((bucket, ctx.hidden), float("nan"), dtype=ctx.dtype, device=ctx.device)
+    x[: ctx.n] = ctx.x_own
+    ids, weights = ids.to(ctx.device), weights.to(ctx.device)
+    first, per_rank = ctx.rank * (ctx.experts // ctx.world), ctx.experts // ctx.world
+    w13 = moe.w13[first : first + per_rank].detach().contiguous()
+    w2 = moe.w2[first : first + per_rank].detach().contiguous()
+    routing = Routing(weights=weights, ids=ids)
+    results = {}
+    for mode, cap in (("dynamic", None), ("capacity", None), ("capacity", bucket)):
+        health = new_health_tensor(ctx.device)
+        out = ep_experts(
+            x, w13, w2, routing, num_experts=ctx.experts, mode=mode, capacity=cap,
+            num_valid=torch.tensor(ctx.n, device=ctx.device), health=health, **ctx.ep_kwargs(),
+        )  # fmt: skip
+        results[(mode, cap)] = (out, health.tolist())
+    want = experts_reference(x, moe.w13.detach(), moe.w2.detach(), weights, ids,
+                             num_valid=NumValid(count=ctx.n, tensor=None))  # fmt: skip
+    dropped = int(((ids[: ctx.n] < 0) | (ids[: ctx.n] >= ctx.experts)).sum())
+    for key, (out, health) in results.items():
+        assert bool(torch.isfinite(out).all()), key
+        assert_close(out[: ctx.n], want[: ctx.n], dtype=ctx.dtype, what=f"{key}: real rows")
+        _check_padded_zero(out, ctx.n, str(key))
+        assert health[DROPPED_SLOTS] == dropped and health[EP_OVERFLOW_SLOTS] == 0, (key, health, dropped)
+
+
+def check_no_real_tokens_anywhere(ctx: Ctx) -> None:
+    """Every rank at num_valid 0 (both modes), then one rank with an EMPTY batch (T = 0) while the
+    others have rows (dynamic mode, ranks may differ in T)."""
+    moe = ctx.moe()
+    x = torch.full((4, ctx.hidden), float("nan"), dtype=ctx.dtype, device=ctx.device)
+    outs = []
+    for mode in ("dynamic", "capacity"):
+        ep = EPMoE.from_moe(moe, mode=mode, **ctx.ep_kwargs())
+        with torch.no_grad():
+            outs.append(ep(x, num_valid=0))
+    ep = EPMoE.from_moe(moe, mode="dynamic", **ctx.ep_kwargs())
+    empty_rank = ctx.world - 1
+    mine = ctx.x_own[:0] if ctx.rank == empty_rank else ctx.x_own
+    with torch.no_grad():
+        ragged = ep(mine)
+    for out in outs:
+        assert_equal(out, torch.zeros_like(out), what="all padding")
+    if ctx.rank == empty_rank:
+        assert ragged.shape == (0, ctx.hidden)
+    else:
+        assert_close(ragged, _full_reference(ctx, moe), dtype=ctx.dtype, what="beside an empty rank")
+
+
+CHECKS: dict[str, Callable[[Ctx], None]] = {
+    "common_bucket": check_common_bucket,
+    "layer_softmax": check_layer_softmax,
+    "layer_grouped_sigmoid": check_layer_grouped_sigmoid,
+    "deterministic": check_deterministic,
+    "capacity_overflow": check_capacity_overflow,
+    "stale_ids_and_poisoned_padding": check_stale_ids_and_poisoned_padding,
+    "no_real_tokens_anywhere": check_no_real_tokens_anywhere,
+}
+
+
+def rank_checks(rank: int, world: int, setup: Setup, scenarios: tuple[tuple[int, ...], ...]) -> dict:
+    """Run every check for every scenario on this rank; {"name[counts]": None or the traceback}."""
+    results: dict[str, str | None] = {}
+    for counts in scenarios:
+        for name, check in CHECKS.items():
+            key = f"{name}[{','.join(map(str, counts))}]"
+            try:
+                check(Ctx(rank, world, setup, counts))
+                results[key] = None
+            except Exception:
+                results[key] = traceback.format_exc(limit=-6)
+    return results
+
+
+@functools.cache
+def group_results(world: int) -> tuple[dict, ...] | str:
+    """Each rank's results for a spawned gloo group of `world` ranks (cached: one spawn per world
+    size), or the reason the group failed."""
+    try:
+        return tuple(spawn(rank_checks, world, Setup(), COUNTS[world], timeout_s=45.0, join_timeout_s=150.0))
+    except Exception as exc:  # spawning, a timeout, a crashed rank: every check of the group fails
+        return f"{type(exc).__name__}: {exc}"
+
+
+def assert_group_passed(results: tuple[dict, ...] | str, key: str) -> None:
+    assert not isinstance(results, str), f"the spawned group failed: {results}"
+    failures = [f"rank {rank}:\n{res[key]}" for rank, res in enumerate(results) if res[key] is not None]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "world,key",
+    [
+        (world, f"{name}[{','.join(map(str, counts))}]")
+        for world, scenarios in COUNTS.items()
+        for counts in scenarios
+        for name in CHECKS
+    ],
+)
+def test_spawned_group(world: int, key: str) -> None:
+    assert_group_passed(group_results(world), key)
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process: the layout's bounds checks, the wire format, arguments; a world of one.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_layout_rejects_bad_splits() -> None:
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        EPLayout(world_size=4, rank=0, num_experts=6)
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        EPLayout(world_size=4, rank=0, num_experts=2)
+    with pytest.raises(ValueError, match="rank"):
+        EPLayout(world_size=2, rank=2, num_experts=8)
+    with pytest.raises(TypeError):
+        EPLayout(world_size=2, rank=True, num_experts=8)
+
+
+def test_to_local_bounds_checks_every_id() -> None:
+    layout = EPLayout(world_size=4, rank=2, num_experts=16)  # owns [8, 12)
+    int_min, int_max = -(2**31), 2**31 - 1
+    ids = torch.tensor([[-1, 8, 11, 12, 7, STALE_ID, int_min, int_max, int_min + 8, 0]], dtype=torch.int32)
+    local, ok = layout.to_local(ids)
+    assert_equal(local, torch.tensor([[-1, 0, 3, -1, -1, -1, -1, -1, -1, -1]], dtype=torch.int32))
+    assert ok.tolist() == [[False, True, True, False, False, False, False, False, False, False]]
+    served = torch.tensor([[False, True, True, True, True, False, False, False, False, True]])
+    owner = layout.owner(ids, served)
+    assert owner.tolist() == [[-1, 2, 2, 3, 1, -1, -1, -1, -1, 0]]
+
+
+@pytest.mark.parametrize("dtype,hidden", [(torch.float32, 5), (torch.bfloat16, 5), (torch.float16, 8)])
+def test_wire_roundtrip_keeps_bits_and_blanks_unused_rows(dtype: torch.dtype, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, hidden, generator=gen).to(dtype)
+    x[3] = float("nan")  # a padded row: must never reach the wire
+    ids = torch.tensor([[0, 5, 6], [7, 1, 2], [4, 4, 6], [STALE_ID, -1, 3]], dtype=torch.int32)
+    weights = torch.tensor([[0.5, float("nan"), 0.25], [1.0, 2.0, 3.0], [0.1, 0.2, 0.3], [9.0] * 3])
+    layout = EPLayout(world_size=2, rank=0, num_experts=8)
+    served = torch.tensor([[True] * 3, [True] * 3, [True] * 3, [False] * 3])
+    owner = layout.owner(ids, served)
+    send_token = torch.tensor([0, 1, -1, 0, 2, -1])  # peer 0 owns experts [0, 4), peer 1 [4, 8)
+    send_peer = torch.tensor([0, 0, 0, 1, 1, 1])
+    wire = _pack(x, ids, weights, owner, send_token, send_peer)
+    x_r, ids_r, w_r = _unpack(wire, hidden, 3, dtype)
+    assert x_r.is_contiguous() and ids_r.is_contiguous() and w_r.is_contiguous()
+    assert_equal(x_r[[0, 1, 3, 4]], x[[0, 1, 0, 2]])
+    assert_equal(x_r[[2, 5]], torch.zeros(2, hidden, dtype=dtype), what="unused rows")
+    assert ids_r.tolist() == [[0, -1, -1], [-1, 1, 2], [-1] * 3, [-1, 5, 6], [4, 4, 6], [-1] * 3]
+    assert_equal(w_r[0], torch.tensor([0.5, 0.0, 0.0]))
+    assert torch.isnan(w_r[3, 1]), "a weight's bits travel unchanged"
+    assert_equal(w_r[[2, 5]], torch.zeros(2, 3))
+
+
+def test_capacity_and_mode_arguments() -> None:
+    assert capacity_rows(None, 7) == 7 and capacity_rows(None, 0) == 1
+    assert capacity_rows(3, 100) == 3 and capacity_rows(0.25, 10) == 3
+    for bad, exc in ((0, ValueError), (-1.0, ValueError), (float("inf"), ValueError), (True, TypeError),
+                     ("4", TypeError)):  # fmt: skip
+        with pytest.raises(exc):
+            capacity_rows(bad, 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mode"):
+        check_mode("static", None)
+    with pytest.raises(ValueError, match="only used with mode='capacity'"):
+        check_mode("dynamic", 4)
+
+
+def test_needs_an_initialised_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        EPMoE(H, I, E, K)
+
+
+@pytest.fixture
+def world_of_one():
+    """A single-rank gloo group in this process (a HashStore: no ports)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_world_of_one_is_the_plain_layer_and_checks_arguments() -> None:
+    ctx = Ctx(0, 1, Setup(), (5,))
+    moe = ctx.moe()
+    x = torch.cat([ctx.x_own, torch.full((3, H), float("nan"))])
+    want = moe(ctx.x_own)
+    for mode in ("dynamic", "capacity"):
+        ep = EPMoE.from_moe(moe, mode=mode)
+        out = ep(x, num_valid=5)
+        assert_close(out[:5], want, what=mode)
+        _check_padded_zero(out, 5, mode)
+        assert ep(x.view(2, 4, H), num_valid=5).shape == (2, 4, H)
+        assert "rank=0/1" in repr(ep)
+    ep = EPMoE.from_moe(moe)
+    routing = Routing(weights=torch.ones(8, K), ids=torch.zeros(8, K, dtype=torch.int32))
+    with pytest.raises(ValueError, match="per rank"):
+        ep_experts(x, ep.w13[:4].contiguous(), ep.w2[:4].contiguous(), routing, num_experts=E)
+    with pytest.raises(ValueError, match="num_valid"):
+        ep_experts(x, ep.w13, ep.w2, routing, num_experts=E, num_valid=9)
+    with pytest.raises(TypeError, match="routing"):
+        ep_experts(x, ep.w13, ep.w2, (routing.weights, routing.ids), num_experts=E)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="capacity"):
+        EPMoE(H, I, E, K, mode="dynamic", capacity=4)
+    with pytest.raises(ValueError, match="end with H"):
+        ep(torch.zeros(2, H + 1))
+    with pytest.raises(ValueError, match="trailing dims"):
+        ep.load_experts(moe.w13[:, :, :4], moe.w2)
+    with pytest.raises(ValueError, match="not supported"):
+        EPMoE.from_moe(MoE(H, I, E, K, shared_intermediate_size=8))
