@@ -10,7 +10,8 @@ and read it whenever convenient.
 | 0 | `NONFINITE_ROWS` | valid router rows that held at least one NaN or +-Inf logit |
 | 1 | `DROPPED_SLOTS` | (token, k) slots of valid rows whose expert id was outside [0, E) and was dropped |
 | 2 | `PADDED_ROWS` | rows at or past `num_valid` seen by the router (each call adds T - num_valid) |
-| 3..7 | reserved | kept zero for later counters |
+| 3 | `EP_OVERFLOW_SLOTS` | expert parallelism, capacity mode: slots not sent, their peer was full |
+| 4..7 | reserved | kept zero for later counters |
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 NONFINITE_ROWS = 0
 DROPPED_SLOTS = 1
 PADDED_ROWS = 2
+EP_OVERFLOW_SLOTS = 3
 HEALTH_SLOTS = 8
 
 SLOT_NAMES = {
