@@ -206,7 +206,8 @@ def check_capacity_overflow(ctx: Ctx) -> None:
     per_rank = ctx.experts // ctx.world
     for cap, (out, health) in results.items():
         kept, overflow = _expected_overflow(ids.cpu(), ctx.n, cap, per_rank, ctx.world, ctx.experts)
-        want = experts_reference(ctx.x_own, moe.w13, moe.w2, weights, kept.to(ctx.device))
+        with torch.no_grad():
+            want = experts_reference(ctx.x_own, moe.w13, moe.w2, weights, kept.to(ctx.device))
         assert health[EP_OVERFLOW_SLOTS] == overflow, (cap, health, overflow)
         assert health[DROPPED_SLOTS] == 0, health
         assert_close(out[: ctx.n], want, dtype=ctx.dtype, what=f"capacity {cap}: overflowed slots dropped")
