@@ -223,3 +223,126 @@ def check_experts_args(x: object, w13: object, w2: object, activation: object) -
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     return num_tokens, num_experts, hidden, inter
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 (e4m3) expert weights
+# ----------------------------------------------------------------------------------------------
+
+FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
+FP8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+_FP8_BLOCK = 128  # reference.FP8_BLOCK (not imported: reference imports this module)
+
+
+@dataclass(frozen=True)
+class Fp8Weights:
+    """fp8 expert weight scales, validated. mode "per_tensor": w13_scale [E] or [E, 2] (gate, up),
+    w2_scale [E]; activations per token. mode "block": 128x128 weight blocks, w13_scale
+    [E, ceil(2I/128), ceil(H/128)], or [E, 2*ceil(I/128), ceil(H/128)] when gate and up were
+    quantised as separate matrices (`gate_up_split`; the two shapes differ only when I % 128 != 0),
+    w2_scale [E, ceil(H/128), ceil(I/128)]; activations in 1x128 groups."""
+
+    mode: str
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    gate_up_split: bool = False
+
+
+def _is_fp8(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in FP8_WEIGHT_DTYPES
+
+
+def wants_fp8(w13: object, w2: object, w13_scale: object, w2_scale: object) -> bool:
+    """True when a call asks for the fp8 path (fp8 weights or any scale given)."""
+    return _is_fp8(w13) or _is_fp8(w2) or w13_scale is not None or w2_scale is not None
+
+
+def check_fp8_weights(w13: object, w2: object, w13_scale: object, w2_scale: object) -> Fp8Weights:
+    """Validate fp8 weights and their scales; the mode follows from the scale shapes."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if isinstance(w, torch.Tensor) and w.dtype not in FP8_WEIGHT_DTYPES and (
+            w13_scale is not None or w2_scale is not None
+        ):
+            raise TypeError(
+                f"w13_scale/w2_scale are only for float8_e4m3fn weights, but {name} is {w.dtype}; "
+                "quantise with safemoe.quantize_experts or drop the scales"
+            )
+    w13 = check_tensor("w13", w13, dims=3, dtypes=FP8_WEIGHT_DTYPES)
+    w2 = check_tensor("w2", w2, dims=3, dtypes=FP8_WEIGHT_DTYPES)
+    if w13_scale is None or w2_scale is None:
+        raise ValueError(
+            "float8_e4m3fn w13/w2 need both w13_scale and w2_scale (dequantised = fp8 * scale: from "
+            f"safemoe.quantize_experts or a checkpoint's weight_scale_inv), got w13_scale="
+            f"{'None' if w13_scale is None else 'tensor'} w2_scale={'None' if w2_scale is None else 'tensor'}"
+        )
+    num_experts, two_inter, hidden = w13.shape
+    if two_inter % 2 != 0 or two_inter == 0 or num_experts < 1 or hidden < 1:
+        raise ValueError(
+            f"w13 must have shape [E, 2*I, H] with gate rows then up rows, got {tuple(w13.shape)}"
+        )
+    inter = two_inter // 2
+    if tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(
+            f"w2 must have shape [E={num_experts}, H={hidden}, I={inter}] to match w13, got {tuple(w2.shape)}"
+        )
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(scale).__name__}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 (dequantised = fp8 * scale), got {scale.dtype}")
+    assert isinstance(w13_scale, torch.Tensor) and isinstance(w2_scale, torch.Tensor)
+    for name, t in (("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        check_same_device(name, t, w13.device)
+    for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        check_contiguous(name, t)
+
+    def blocks(n: int) -> int:
+        return -(-n // _FP8_BLOCK)
+
+    Shapes = list[tuple[int, ...]]
+    per_tensor_shapes: dict[str, Shapes] = {"w13_scale": [(num_experts,), (num_experts, 2)],
+                                            "w2_scale": [(num_experts,)]}
+    stacked = (num_experts, blocks(two_inter), blocks(hidden))
+    split = (num_experts, 2 * blocks(inter), blocks(hidden))
+    block_shapes: dict[str, Shapes] = {"w13_scale": [stacked, split],
+                                       "w2_scale": [(num_experts, blocks(hidden), blocks(inter))]}
+    modes = []
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        shape = tuple(scale.shape)
+        if shape in per_tensor_shapes[name]:
+            modes.append("per_tensor")
+        elif shape in block_shapes[name]:
+            modes.append("block")
+        else:
+            raise ValueError(
+                f"{name} has shape {shape}; for w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} it must be "
+                f"per-tensor {' or '.join(map(str, per_tensor_shapes[name]))}, or 128x128 block "
+                f"{' or '.join(map(str, dict.fromkeys(block_shapes[name])))}"
+            )
+    if modes[0] != modes[1]:
+        raise ValueError(
+            f"w13_scale is {modes[0]} ({tuple(w13_scale.shape)}) but w2_scale is {modes[1]} "
+            f"({tuple(w2_scale.shape)}); both matrices must use one mode"
+        )
+    gate_up_split = modes[0] == "block" and tuple(w13_scale.shape) != stacked
+    return Fp8Weights(modes[0], w13_scale, w2_scale, gate_up_split)
+
+
+def check_fp8_experts_args(
+    x: object, w13: object, w2: object, w13_scale: object, w2_scale: object, activation: object
+) -> tuple[int, int, int, int, Fp8Weights]:
+    """Returns (T, E, H, I, scales) for a call with fp8 expert weights."""
+    spec = check_fp8_weights(w13, w2, w13_scale, w2_scale)
+    if isinstance(x, torch.Tensor) and x.dtype not in FP8_ACTIVATION_DTYPES and x.dim() == 2:
+        raise TypeError(f"with float8_e4m3fn weights x must be bfloat16 or float16, got {x.dtype}")
+    x = check_tensor("x", x, dims=2, dtypes=FP8_ACTIVATION_DTYPES)
+    num_tokens, hidden = x.shape
+    assert isinstance(w13, torch.Tensor)
+    num_experts, two_inter, w13_hidden = w13.shape
+    if w13_hidden != hidden:
+        raise ValueError(f"w13 must have shape [E, 2*I, H={hidden}] to match x, got {tuple(w13.shape)}")
+    check_same_device("w13", w13, x.device)
+    check_contiguous("x", x)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return num_tokens, num_experts, hidden, two_inter // 2, spec

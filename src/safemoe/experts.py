@@ -3,6 +3,10 @@
 out[t] = sum_k weights[t,k] * w2[e] @ act(w13[e] @ x[t]), e = ids[t,k], for rows t < num_valid;
 rows at or past num_valid are exact zeros. Slots with an id outside [0, E) are dropped (counted
 in `health`), never used as an address; duplicate ids in a row are each served.
+
+fp8 (e4m3) expert weights: pass float8_e4m3fn w13/w2 with `w13_scale` and `w2_scale`
+(dequantised = fp8 * scale); the scale shapes choose per-tensor or DeepSeek-V3 128x128 block mode
+(see `safemoe.quantize_experts` and docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 from safemoe import _checks
 from safemoe._triton import require_triton
 from safemoe.health import DROPPED_SLOTS, check_health
-from safemoe.reference import experts_reference, valid_slot_mask
+from safemoe.reference import experts_fp8_reference, experts_reference, valid_slot_mask
 from safemoe.routing import Routing
 
 if TYPE_CHECKING:
@@ -32,6 +36,8 @@ def experts(
     backend: str = "auto",
     health: torch.Tensor | None = None,
     workspace: Workspace | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the routed expert MLPs.
 
@@ -42,10 +48,23 @@ def experts(
     workspace: a `safemoe.workspace.Workspace` holding the Triton backend's scratch buffers,
         allocated once (e.g. for the largest batch) and shared by every layer with the same or
         smaller dims; without it each triton call allocates and zeroes a temporary one. Ignored
-        by the reference backend.
+        by the reference backend. fp8 weights need one made with `fp8=True`.
+    w13_scale, w2_scale: float32 scales of float8_e4m3fn w13/w2 (x then bf16 or fp16), in the
+        "weight_scale_inv" convention (dequantised = fp8 * scale). Per-tensor: w13_scale [E] (or
+        [E, 2]: gate, up), w2_scale [E]; activations are quantised per token at run time.
+        DeepSeek-V3 block: w13_scale [E, ceil(2I/128), ceil(H/128)] (or [E, 2*ceil(I/128),
+        ceil(H/128)] for gate and up quantised separately), w2_scale [E, ceil(H/128),
+        ceil(I/128)]; activations in 1x128 groups. Each row's activation scales depend on that
+        row only; a NaN/Inf in a valid row of x makes that row's output NaN and nothing else.
     Returns [T, H] in x's dtype.
     """
-    num_tokens, num_experts, _, _ = _checks.check_experts_args(x, w13, w2, activation)
+    fp8 = None
+    if _checks.wants_fp8(w13, w2, w13_scale, w2_scale):
+        num_tokens, num_experts, _, _, fp8 = _checks.check_fp8_experts_args(
+            x, w13, w2, w13_scale, w2_scale, activation
+        )
+    else:
+        num_tokens, num_experts, _, _ = _checks.check_experts_args(x, w13, w2, activation)
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a safemoe.Routing, got {type(routing).__name__}")
     _checks.check_routing_tensors(routing.ids, routing.weights, num_tokens, x.device)
@@ -60,12 +79,18 @@ def experts(
 
         return experts_triton(
             x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv, health=health,
-            workspace=workspace,
+            workspace=workspace, fp8=fp8,
         )
 
-    out = experts_reference(
-        x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv
-    )
+    if fp8 is not None:
+        out = experts_fp8_reference(
+            x, w13, w2, fp8.w13_scale, fp8.w2_scale, routing.weights, routing.ids, activation=activation,
+            num_valid=nv,
+        )
+    else:
+        out = experts_reference(
+            x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv
+        )
     if health is not None:
         rows = nv.row_mask(num_tokens, x.device)
         served = valid_slot_mask(routing.ids, num_experts, nv)

@@ -206,3 +206,131 @@ def moe_reference(
 ) -> torch.Tensor:
     weights, ids = route_reference(router_logits, top_k, num_valid=num_valid, **route_kwargs)  # type: ignore[arg-type]
     return experts_reference(x, w13, w2, weights, ids, activation=activation, num_valid=num_valid)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 (e4m3) expert weights: the quantisation rules and the dequantised fp32 reference
+# ----------------------------------------------------------------------------------------------
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_BLOCK = 128  # DeepSeek-V3 block: 128x128 weight blocks, 1x128 activation groups
+# A group whose largest |value| is below this is scaled as if it were this (an all-zero group
+# would otherwise divide by a zero scale); the floor vLLM's per-token-group quantiser uses.
+FP8_AMAX_FLOOR = 1e-10
+
+
+def quantize_groups_reference(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantisation of each row of t [R, C] in groups of `group` columns
+    (group >= C: one group per row, i.e. per token). Returns (q float8_e4m3fn [R, C], scale
+    float32 [R, ceil(C / group)]); dequantised = q * scale.
+
+    Per group, in fp32: scale = max(amax, FP8_AMAX_FLOOR) / 448 with amax the largest |value|;
+    q = round_to_nearest_even(clamp(value / scale, -448, 448)) (IEEE division). A group holding
+    any NaN or +-Inf gets scale NaN and q = 0: it dequantises to all NaN, so a non-finite input
+    poisons exactly its own group (hence its own row's outputs) and nothing else. Each group's
+    scale depends only on that group's values.
+    """
+    rows, cols = t.shape
+    group = min(group, cols)
+    num_groups = -(-cols // group)
+    padded = torch.zeros(rows, num_groups * group, dtype=torch.float32, device=t.device)
+    padded[:, :cols] = t.float()
+    v = padded.view(rows, num_groups, group)
+    finite = torch.isfinite(v)
+    bad = ~finite.all(dim=-1)  # [R, G]
+    amax = torch.where(finite, v.abs(), 0.0).amax(dim=-1)
+    scale = amax.clamp(min=FP8_AMAX_FLOOR) / FP8_MAX
+    q = (torch.where(finite, v, 0.0) / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    q = torch.where(bad[..., None], 0.0, q).to(FP8_DTYPE)
+    scale = torch.where(bad, math.nan, scale)
+    return q.view(rows, -1)[:, :cols].contiguous(), scale.contiguous()
+
+
+def dequantize_groups_reference(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 q * scale, scale column g covering columns [g * group, (g + 1) * group)."""
+    cols = q.shape[1]
+    group = min(group, cols)
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, :cols]
+
+
+def _block_rows(rows: int, first_up_row: int | None, up_block_offset: int) -> torch.Tensor:
+    """Scale-row index of each weight row: row // 128; with a gate/up split (w13 whose halves were
+    quantised separately) the up rows restart at block `up_block_offset`."""
+    index = torch.arange(rows) // FP8_BLOCK
+    if first_up_row is not None:
+        up = torch.arange(first_up_row, rows)
+        index[first_up_row:] = up_block_offset + (up - first_up_row) // FP8_BLOCK
+    return index
+
+
+def dequantize_expert_weight(
+    w: torch.Tensor, scale: torch.Tensor, *, gate_up_split: bool = False
+) -> torch.Tensor:
+    """fp32 weights of one expert from fp8 w [R, C] and its scale: a 0-dim/[1] per-tensor scale,
+    [2] (gate rows [0, R/2), up rows [R/2, R)), or a [ceil(R/128), ceil(C/128)] block grid
+    ("weight_scale_inv": dequantised = fp8 * scale). gate_up_split: block rows of the up half
+    start at block ceil((R/2)/128) (gate and up quantised as separate matrices)."""
+    rows, cols = w.shape
+    wf = w.float()
+    if scale.dim() <= 1:
+        per_row = scale.float().reshape(-1)
+        if per_row.numel() == 1:
+            return wf * per_row
+        half = rows // 2
+        return torch.cat([wf[:half] * per_row[0], wf[half:] * per_row[1]])
+    first_up = rows // 2 if gate_up_split else None
+    row_index = _block_rows(rows, first_up, -(-(rows // 2) // FP8_BLOCK)).to(scale.device)
+    col_index = (torch.arange(cols) // FP8_BLOCK).to(scale.device)
+    return wf * scale.float()[row_index][:, col_index]
+
+
+def experts_fp8_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    num_valid: NumValid | None = None,
+) -> torch.Tensor:
+    """experts_reference with fp8 e4m3 weights and dynamically quantised activations, in fp32.
+
+    Modes (from the scale shapes, already validated):
+    - per-tensor: w13_scale [E] (or [E, 2]: gate, up), w2_scale [E]; x quantised per token
+      (one group = the whole row of H), the intermediate per row (one group = I).
+    - block (DeepSeek-V3): w13_scale [E, ceil(2I/128), ceil(H/128)] (or [E, 2*ceil(I/128), ...]
+      when gate and up were quantised as separate matrices), w2_scale [E, ceil(H/128),
+      ceil(I/128)]; x and the intermediate quantised in 1x128 groups.
+    Steps per served slot: x row -> quantize_groups_reference -> dequantised fp32 @ dequantised
+    w13[e]^T -> activation -> rounded to x's dtype (the kernels store it so) -> quantised again ->
+    dequantised fp32 @ dequantised w2[e]^T -> x routing weight -> summed per token in fp32 ->
+    rounded to x's dtype once. Padded rows are exact zeros and never read; a non-finite value in a
+    valid row's x makes that row's output NaN (its group scale is NaN) and touches no other row.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    block = w13_scale.dim() == 3
+    x_group = FP8_BLOCK if block else hidden
+    inter_group = FP8_BLOCK if block else inter
+    gate_up_split = block and w13_scale.shape[1] != -(-two_inter // FP8_BLOCK)
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    served = valid_slot_mask(ids, num_experts, num_valid)
+    rows, ks = torch.nonzero(served, as_tuple=True)
+    experts_of_slots = ids[rows, ks].to(torch.int64)
+    for expert in torch.unique(experts_of_slots).tolist():
+        pick = experts_of_slots == expert
+        token_rows, slot_ks = rows[pick], ks[pick]
+        w13_e = dequantize_expert_weight(w13[expert], w13_scale[expert], gate_up_split=gate_up_split)
+        w2_e = dequantize_expert_weight(w2[expert], w2_scale[expert])
+        xq, xs = quantize_groups_reference(x[token_rows], x_group)
+        h = dequantize_groups_reference(xq, xs, x_group) @ w13_e.t()  # [n, 2I]
+        act = activation_reference(h[:, :inter], h[:, inter:], activation).to(x.dtype)
+        aq, a_scale = quantize_groups_reference(act, inter_group)
+        y = dequantize_groups_reference(aq, a_scale, inter_group) @ w2_e.t()  # [n, H]
+        out.index_add_(0, token_rows, y * weights[token_rows, slot_ks].float()[:, None])
+    return out.to(x.dtype)

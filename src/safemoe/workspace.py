@@ -15,6 +15,10 @@ Sizes, with S = max_tokens * K slots and BM = MAX_BLOCK_M:
 - counts, cursor, block_end [E] int32 (counts padded to a power of two for the histogram), ticket
   (int32), num_blocks [2] int32 (M-blocks of the layout for the batch's tiles, and of the layout
   for the small-batch tiles; the one not used in a call is 0).
+- With `fp8=True` (fp8 expert weights), also the quantised activations: x_fp8 [max_tokens, H]
+  and inter_fp8 [capacity, I] float8_e4m3fn, and their fp32 scales, sized for 1x128 groups
+  (x_scale [max_tokens, ceil(H/128)], inter_scale [capacity, ceil(I/128)]; per-token scales use
+  the first column's worth).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch
 from safemoe.configs import MAX_BLOCK_M
 
 _INDEX_DTYPE = torch.int32
+_FP8_DTYPE = torch.float8_e4m3fn
+_SCALE_GROUP = 128  # the 1x128 activation groups of the fp8 block mode
 
 
 def num_bins(num_experts: int) -> int:
@@ -50,13 +56,23 @@ def _meta_elems(num_experts: int) -> int:
     return num_bins(num_experts) + 3 + 2 * num_experts
 
 
+def _fp8_elems(max_tokens: int, cap: int, hidden: int, inter: int) -> tuple[int, int]:
+    """(fp8 elements, fp32 scales) of the quantised x and intermediate."""
+    groups_h, groups_i = -(-hidden // _SCALE_GROUP), -(-inter // _SCALE_GROUP)
+    return max_tokens * hidden + cap * inter, max_tokens * groups_h + cap * groups_i
+
+
 def workspace_bytes(max_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, *, fp8: bool = False) -> int:
     """Bytes a `Workspace` of these dims allocates (computed without allocating)."""
     cap = capacity(max_tokens, num_experts, top_k)
     elem = torch.empty((), dtype=dtype).element_size()
     index = torch.empty((), dtype=_INDEX_DTYPE).element_size()
-    return (_meta_elems(num_experts) + cap) * index + (cap * inter + max_tokens * top_k * hidden) * elem
+    total = (_meta_elems(num_experts) + cap) * index + (cap * inter + max_tokens * top_k * hidden) * elem
+    if fp8:
+        fp8_elems, scales = _fp8_elems(max_tokens, cap, hidden, inter)
+        total += fp8_elems + scales * 4
+    return total
 
 
 @dataclass
@@ -73,6 +89,16 @@ class WorkspaceViews:
     y: torch.Tensor  # [T*K, H] weighted expert outputs, by slot
 
 
+@dataclass
+class Fp8Views:
+    """The quantised activations of one fp8 call (views, no allocation)."""
+
+    x: torch.Tensor  # [T, H] float8_e4m3fn: rows < num_valid written
+    x_scale: torch.Tensor  # [T, groups of H] float32
+    inter: torch.Tensor  # [capacity, I] float8_e4m3fn: positions holding a slot written
+    inter_scale: torch.Tensor  # [capacity, groups of I] float32
+
+
 class Workspace:
     """Scratch buffers for `experts(...)` calls with up to `max_tokens` tokens.
 
@@ -82,7 +108,7 @@ class Workspace:
     """
 
     def __init__(self, max_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, *, fp8: bool = False) -> None:
         for name, value in (("max_tokens", max_tokens), ("num_experts", num_experts), ("top_k", top_k),
                             ("hidden", hidden), ("inter", inter)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -111,22 +137,35 @@ class Workspace:
         # The counters must start at zero (the dispatch kernel keeps them so afterwards).
         self._index = torch.zeros(_meta_elems(num_experts) + cap, dtype=_INDEX_DTYPE, device=self.device)
         self._data = torch.empty(cap * inter + max_tokens * top_k * hidden, dtype=dtype, device=self.device)
+        self.fp8 = bool(fp8)
+        self._fp8: torch.Tensor | None = None
+        self._fp8_scales: torch.Tensor | None = None
+        if self.fp8:
+            fp8_elems, scales = _fp8_elems(max_tokens, cap, hidden, inter)
+            self._fp8 = torch.empty(fp8_elems, dtype=_FP8_DTYPE, device=self.device)
+            self._fp8_scales = torch.empty(scales, dtype=torch.float32, device=self.device)
 
     @property
     def nbytes(self) -> int:
-        index, data = self._index, self._data
-        return index.numel() * index.element_size() + data.numel() * data.element_size()
+        buffers = [self._index, self._data, self._fp8, self._fp8_scales]
+        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
 
     def __repr__(self) -> str:
         return (
             f"Workspace(max_tokens={self.max_tokens}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"hidden={self.hidden}, inter={self.inter}, dtype={self.dtype}, device={self.device}, "
-            f"nbytes={self.nbytes})"
+            f"{'fp8=True, ' if self.fp8 else ''}nbytes={self.nbytes})"
         )
 
     def check(self, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
-              dtype: torch.dtype, device: torch.device) -> None:
-        """Raise ValueError/TypeError when this workspace cannot serve a call with these dims."""
+              dtype: torch.dtype, device: torch.device, *, fp8: bool = False) -> None:
+        """Raise ValueError/TypeError when this workspace cannot serve a call with these dims
+        (fp8: a call with fp8 expert weights, which needs the fp8 buffers)."""
+        if fp8 and not self.fp8:
+            raise ValueError(
+                "fp8 expert weights need a workspace with fp8 buffers: Workspace(..., fp8=True); "
+                f"got {self!r}"
+            )
         if dtype != self.dtype:
             raise TypeError(f"workspace has dtype {self.dtype} but x has {dtype}")
         if device != self.device:
@@ -159,4 +198,20 @@ class Workspace:
             sorted_slots=idx[meta : meta + cap],
             intermediate=self._data[: cap * inter].view(cap, inter),
             y=self._data[cap * inter : cap * inter + slots * hidden].view(slots, hidden),
+        )
+
+    def fp8_views(self, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                  group: int | None) -> Fp8Views:
+        """Views of the quantised activations for one call (dims already checked with
+        `check(..., fp8=True)`); group: 128 for 1x128 groups, None for one group per row."""
+        assert self._fp8 is not None and self._fp8_scales is not None, "workspace has no fp8 buffers"
+        cap = capacity(num_tokens, num_experts, top_k)
+        groups_h = 1 if group is None else -(-hidden // group)
+        groups_i = 1 if group is None else -(-inter // group)
+        x_elems, x_scales = num_tokens * hidden, num_tokens * groups_h
+        return Fp8Views(
+            x=self._fp8[:x_elems].view(num_tokens, hidden),
+            x_scale=self._fp8_scales[:x_scales].view(num_tokens, groups_h),
+            inter=self._fp8[x_elems : x_elems + cap * inter].view(cap, inter),
+            inter_scale=self._fp8_scales[x_scales : x_scales + cap * groups_i].view(cap, groups_i),
         )

@@ -11,13 +11,18 @@ for a padded batch and an unpadded one of the same T. Tuned entries live in
 Token buckets are powers of two (T rounds up). A shape with entries but none for its bucket uses
 the nearest tuned bucket if it is at most one octave away (the smaller on a tie), else, like a
 shape with no entry at all, `heuristic_config`.
+
+fp8 expert weights (`quant` = "per_tensor" or "block") have keys of their own
+(`E{E}_H{H}_I{I}_K{K}_{dtype}_fp8-{quant}`, dtype = x's) and a heuristic of their own
+(`heuristic_fp8_config`); block mode needs block_k <= 128 (one K step inside one 128-wide scale
+group), which `get_config` guarantees for what it returns.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +96,10 @@ def token_bucket(num_tokens: int) -> int:
     return 1 << max(0, int(num_tokens) - 1).bit_length()
 
 
-def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> str:
-    return f"E{num_experts}_H{hidden}_I{inter}_K{top_k}_{str(dtype).removeprefix('torch.')}"
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+              quant: str | None = None) -> str:
+    key = f"E{num_experts}_H{hidden}_I{inter}_K{top_k}_{str(dtype).removeprefix('torch.')}"
+    return key if quant is None else f"{key}_fp8-{quant}"
 
 
 def device_file(device_name: str) -> Path:
@@ -147,6 +154,46 @@ def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     )
 
 
+def heuristic_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                         quant: str) -> ExpertsConfig:
+    """Tiles for fp8 weights (untuned; chosen from the bf16 tuning's byte counts, H100/H200).
+
+    Decode streams half the bytes per element, so a K step of 256 fp8 elements moves what 128 bf16
+    elements did (the bf16 winners' width); block mode caps BLOCK_K at 128 (one scale group per
+    step) and adds pipeline stages instead. Prefill: 128-row M-blocks, 128-wide K steps (128
+    bytes, like bf16's 64), 8 warps; GEMM1's BLOCK_N is 64 in block mode, because each K step's
+    partial product is scaled before it is added (a second accumulator's worth of registers
+    next to the gate and up accumulators).
+    """
+    rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
+    block = quant == "block"
+    wide_k = 128 if block else 256
+    if rows_per_expert <= 16:
+        stages = 6 if block else 4
+        return ExpertsConfig(
+            block_m=16,
+            gemm1=GemmTiles(block_n=32, block_k=wide_k, group_m=1, num_warps=4, num_stages=stages),
+            gemm2=GemmTiles(block_n=64, block_k=wide_k, group_m=1, num_warps=4, num_stages=stages),
+            pdl=True,
+        )
+    if rows_per_expert <= 96:
+        block_m = 32 if rows_per_expert <= 48 else 64
+        return ExpertsConfig(
+            block_m=block_m,
+            gemm1=GemmTiles(block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=4),
+            gemm2=GemmTiles(block_n=64 if block_m == 32 else 128, block_k=128, group_m=4, num_warps=4,
+                            num_stages=4),
+            pdl=True,
+        )
+    return ExpertsConfig(
+        block_m=128,
+        gemm1=GemmTiles(block_n=64 if block else 128, block_k=128, group_m=8, num_warps=8,
+                        num_stages=4 if block else 3),
+        gemm2=GemmTiles(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4),
+        programs_per_sm=1,
+    )
+
+
 def interpreter_config(num_tokens: int, num_experts: int, top_k: int) -> ExpertsConfig:
     """Small tiles for the CPU interpreter: shapes there are tiny and wide tiles only cost time."""
     block_m = 16 if num_tokens * top_k / num_experts <= 16 else 32
@@ -158,12 +205,32 @@ def interpreter_config(num_tokens: int, num_experts: int, top_k: int) -> Experts
 
 
 def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
-               dtype: torch.dtype, device: torch.device) -> ExpertsConfig:
-    """The configuration for these shapes on `device` (tuned entry, else the heuristic)."""
+               dtype: torch.dtype, device: torch.device, quant: str | None = None) -> ExpertsConfig:
+    """The configuration for these shapes on `device` (tuned entry, else the heuristic); quant:
+    None (weights in x's dtype) or the fp8 mode, "per_tensor" or "block"."""
+    cfg = _lookup_config(num_tokens, num_experts, hidden, inter, top_k, dtype, device, quant)
+    if quant == "block":
+        cfg = limit_block_k(cfg, 128)
+    return cfg
+
+
+def limit_block_k(cfg: ExpertsConfig, max_block_k: int) -> ExpertsConfig:
+    """cfg with both GEMMs' block_k at most max_block_k."""
+    if cfg.gemm1.block_k <= max_block_k and cfg.gemm2.block_k <= max_block_k:
+        return cfg
+    return replace(
+        cfg,
+        gemm1=replace(cfg.gemm1, block_k=min(cfg.gemm1.block_k, max_block_k)),
+        gemm2=replace(cfg.gemm2, block_k=min(cfg.gemm2.block_k, max_block_k)),
+    )
+
+
+def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                   dtype: torch.dtype, device: torch.device, quant: str | None) -> ExpertsConfig:
     if device.type != "cuda":
         return interpreter_config(num_tokens, num_experts, top_k)
     table = load_device_configs(torch.cuda.get_device_name(device))
-    buckets = table.get(shape_key(num_experts, hidden, inter, top_k, dtype))
+    buckets = table.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant))
     if buckets:
         bucket = token_bucket(num_tokens)
         # Nearest tuned bucket within one octave (ties to the smaller); further away the tiles
@@ -172,4 +239,6 @@ def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k
         chosen = min(buckets, key=lambda b: (octaves[b], b))
         if octaves[chosen] <= 1:
             return buckets[chosen]
+    if quant is not None:
+        return heuristic_fp8_config(num_tokens, num_experts, hidden, inter, top_k, quant)
     return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)

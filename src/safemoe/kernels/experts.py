@@ -26,22 +26,28 @@ swigluoai min(g,7)*sigmoid(1.702*min(g,7))*(clamp(u,-7,7)+1) on the same gate-th
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from safemoe._checks import NumValid
+from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
 from safemoe.configs import ExpertsConfig, GemmTiles, get_config
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into, launch_options, pdl_supported, wait_for_previous_kernel
-from safemoe.workspace import Workspace, WorkspaceViews, max_m_blocks, num_bins
+from safemoe.kernels.quant import quantize_positions_into, quantize_rows_into
+from safemoe.reference import FP8_BLOCK
+from safemoe.workspace import Fp8Views, Workspace, WorkspaceViews, max_m_blocks, num_bins
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2}
 # num_valid at or below this (read on the device) runs the small-batch tiles in a larger batch.
 SMALL_BATCH_TOKENS = 8
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
+# fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
+SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
+_QUANT_CODES = {None: 0, "per_tensor": 1, "block": 2}
 
 
 @triton.jit
@@ -91,14 +97,59 @@ def _tile_rows(tile, num_m_blocks, num_n_blocks, block_end, sorted_slots_ptr, BL
 
 
 @triton.jit
+def _operand(tile, UPCAST: tl.constexpr):
+    """An MMA operand as loaded; upcast to fp32 where the interpreter has no arithmetic for its
+    dtype (bf16: its dot would multiply the raw bits)."""
+    if UPCAST:
+        return tile.to(tl.float32)
+    else:
+        return tile
+
+
+@triton.jit
+def _group_scale(a_scale_rows_ptr, row_ok, k, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
+    """Block mode: the [BLOCK_M] activation-group scales of K step k (BLOCK_K divides 128, so one
+    step lies inside one group); other modes: 1."""
+    if QUANT == 2:
+        return tl.load(a_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK, mask=row_ok, other=0.0)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+         DOT_PRECISION: tl.constexpr):
+    """acc + a @ b. Block mode: the K step's product is scaled by its activation-group scale
+    (rows) times its 128x128 weight-block scale (columns) before it is added, DeepSeek-V3's
+    promotion of each 128-wide partial sum into the fp32 accumulator."""
+    if QUANT == 2:
+        w_scale = tl.load(w_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK)
+        return acc + tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _dequantize(acc, a_scale_rows_ptr, row_ok, w_scale_ptr, QUANT: tl.constexpr):
+    """Per-tensor mode: acc x the rows' per-token scales x the expert matrix's scale."""
+    if QUANT == 1:
+        a_scale = tl.load(a_scale_rows_ptr, mask=row_ok, other=0.0)
+        return acc * (a_scale[:, None] * tl.load(w_scale_ptr))
+    else:
+        return acc
+
+
+@triton.jit
 def _gemm1_kernel(
     # inputs
-    x_ptr,  # [T, H]
+    x_ptr,  # [T, H] x, or (QUANT) its fp8 rows
     w13_arg,  # pointer to [E, 2I, H] (gate rows [0, I), up rows [I, 2I)), or with USE_TMA a
     #           tensor descriptor over its [E*2I, H] view with [BLOCK_N, BLOCK_K] boxes
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
     num_blocks_ptr,  # [1] int32: M-blocks of this launch's layout (0: nothing to do)
+    x_scale_ptr,  # QUANT: [T, x_scale_stride] float32 per-token (1) or 1x128-group scales of x
+    w13_scale_ptr,  # QUANT 1: [E] or [E, 2] float32; QUANT 2: [E, rows of 128-blocks, ceil(H/128)]
     # outputs
     inter_ptr,  # [capacity, I]
     # shapes
@@ -107,9 +158,16 @@ def _gemm1_kernel(
     num_experts,
     expert_stride,  # 2 * I * H
     up_offset,  # I * H
+    x_scale_stride,  # QUANT: scale columns per x row
+    w_scale_expert_stride,  # QUANT: scales per expert
+    w_scale_row_stride,  # QUANT 2: scale columns per 128-row block (ceil(H/128))
+    up_scale_row,  # QUANT 2: up row n's scale row is (up_scale_row + n) // 128 + up_scale_offset
+    up_scale_offset,  # QUANT 1: index of the up scale in an expert's scales (0 or 1)
     TOP_K: tl.constexpr,
     ACTIVATION: tl.constexpr,
     NUM_BINS: tl.constexpr,
+    QUANT: tl.constexpr,  # 0: none; 1: fp8 per-tensor weights, per-token x; 2: fp8 128x128 blocks
+    UPCAST: tl.constexpr,  # interpreter with bf16 operands: multiply in fp32
     # tunable
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,6 +191,12 @@ def _gemm1_kernel(
         w_cols = (cols % inter).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
+        x_scale_rows = x_scale_ptr + tokens * x_scale_stride
+        w_scales = w13_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
+        # QUANT 2: each output column's row of 128x128 block scales (gate, then up)
+        gate_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
+        up_blocks = (up_scale_row + w_cols) // SCALE_BLOCK + up_scale_offset
+        up_scale_rows = w_scales + up_blocks * w_scale_row_stride
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
@@ -145,10 +209,12 @@ def _gemm1_kernel(
                 else:
                     k_ok = ks < hidden - k * BLOCK_K
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                g = w13_arg.load([gate_row, k * BLOCK_K])
-                u = w13_arg.load([gate_row + inter, k * BLOCK_K])
-                acc_gate = tl.dot(a, g.T, acc_gate, input_precision=DOT_PRECISION)
-                acc_up = tl.dot(a, u.T, acc_up, input_precision=DOT_PRECISION)
+                a = _operand(a, UPCAST)
+                g = _operand(w13_arg.load([gate_row, k * BLOCK_K]), UPCAST)
+                u = _operand(w13_arg.load([gate_row + inter, k * BLOCK_K]), UPCAST)
+                a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
+                acc_gate = _mma(acc_gate, a, g.T, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
+                acc_up = _mma(acc_up, a, u.T, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
                 a_ptrs += BLOCK_K
         else:
             gate_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
@@ -163,11 +229,17 @@ def _gemm1_kernel(
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                     g = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
                     u = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-                acc_gate = tl.dot(a, g, acc_gate, input_precision=DOT_PRECISION)
-                acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
+                a = _operand(a, UPCAST)
+                g = _operand(g, UPCAST)
+                u = _operand(u, UPCAST)
+                a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
+                acc_gate = _mma(acc_gate, a, g, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
+                acc_up = _mma(acc_up, a, u, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
                 a_ptrs += BLOCK_K
                 gate_ptrs += BLOCK_K
                 up_ptrs += BLOCK_K
+        acc_gate = _dequantize(acc_gate, x_scale_rows, row_ok, w_scales, QUANT)
+        acc_up = _dequantize(acc_up, x_scale_rows, row_ok, w_scales + up_scale_offset, QUANT)
         h = _activation(acc_gate, acc_up, ACTIVATION)
         out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
         tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
@@ -176,12 +248,14 @@ def _gemm1_kernel(
 @triton.jit
 def _gemm2_kernel(
     # inputs
-    inter_ptr,  # [capacity, I]
+    inter_ptr,  # [capacity, I] intermediate, or (QUANT) its fp8 rows
     w2_arg,  # pointer to [E, H, I], or with USE_TMA a descriptor over [E*H, I], [BLOCK_N, BLOCK_K] boxes
     weights_ptr,  # [T, K] float32, indexed by slot
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
     num_blocks_ptr,  # [1] int32: M-blocks of this launch's layout (0: nothing to do)
+    inter_scale_ptr,  # QUANT: [capacity, inter_scale_stride] float32 scales of the intermediate rows
+    w2_scale_ptr,  # QUANT 1: [E] float32; QUANT 2: [E, ceil(H/128), ceil(I/128)]
     # outputs
     y_ptr,  # [T*K, H]
     # shapes
@@ -189,7 +263,12 @@ def _gemm2_kernel(
     inter,
     num_experts,
     expert_stride,  # H * I
+    inter_scale_stride,  # QUANT: scale columns per intermediate row
+    w_scale_expert_stride,  # QUANT: scales per expert
+    w_scale_row_stride,  # QUANT 2: ceil(I/128)
     NUM_BINS: tl.constexpr,
+    QUANT: tl.constexpr,
+    UPCAST: tl.constexpr,
     # tunable
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -210,8 +289,12 @@ def _gemm2_kernel(
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         w_cols = (cols % hidden).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
+        rows64 = rows.to(tl.int64)
         # Padding rows of the intermediate were never written: masked, never read.
-        a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + ks[None, :]
+        a_ptrs = inter_ptr + rows64[:, None] * inter + ks[None, :]
+        a_scale_rows = inter_scale_ptr + rows64 * inter_scale_stride
+        w_scales = w2_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
+        w_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride  # QUANT 2
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             w_row = expert * hidden + n_block * BLOCK_N
@@ -220,8 +303,10 @@ def _gemm2_kernel(
                     a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
                 else:
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < inter - k * BLOCK_K)[None, :], other=0.0)
-                b = w2_arg.load([w_row, k * BLOCK_K])
-                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+                a = _operand(a, UPCAST)
+                b = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
+                a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
+                acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
                 a_ptrs += BLOCK_K
         else:
             b_ptrs = w2_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
@@ -233,9 +318,13 @@ def _gemm2_kernel(
                     k_ok = ks < inter - k * BLOCK_K
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a = _operand(a, UPCAST)
+                b = _operand(b, UPCAST)
+                a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
+                acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
+        acc = _dequantize(acc, a_scale_rows, row_ok, w_scales, QUANT)
         safe_slots = tl.where(row_ok, slots, 0)
         weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
         acc = acc * weight[:, None]
@@ -289,26 +378,76 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@dataclass(frozen=True)
+class Fp8Operands:
+    """What the fp8 GEMMs read besides their fp8 A rows and weights: the validated weight scales
+    and the workspace views holding the quantised x and intermediate with their scales."""
+
+    weights: Fp8Weights
+    views: Fp8Views
+
+    @property
+    def code(self) -> int:
+        return _QUANT_CODES[self.weights.mode]
+
+    @property
+    def group(self) -> int | None:
+        """Columns per activation scale: 128 (block mode), None (one per row: per token)."""
+        return FP8_BLOCK if self.weights.mode == "block" else None
+
+
+def _weight_scale_strides(scale: torch.Tensor, mode: str,
+                          up_rows: tuple[int, int] = (0, 0)) -> dict[str, int]:
+    """Kernel arguments locating an expert's weight scales: scales per expert, scale columns per
+    128-row block (block mode), and (w13) where the up rows' scales start."""
+    if mode == "block":
+        row_blocks, col_blocks = scale.shape[1], scale.shape[2]
+        return {"w_scale_expert_stride": row_blocks * col_blocks, "w_scale_row_stride": col_blocks,
+                "up_scale_row": up_rows[0], "up_scale_offset": up_rows[1]}
+    per_expert = scale[0].numel()  # 1, or 2 (gate, up)
+    return {"w_scale_expert_stride": per_expert, "w_scale_row_stride": 0, "up_scale_row": 0,
+            "up_scale_offset": per_expert - 1}
+
+
+_NO_SCALES = {"w_scale_expert_stride": 0, "w_scale_row_stride": 0, "up_scale_row": 0, "up_scale_offset": 0}
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and interpreter_enabled()
+
+
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
                cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
-               use_pdl: bool = False) -> None:
+               use_pdl: bool = False, fp8: Fp8Operands | None = None) -> None:
     """GEMM1 over the layout whose M-block count is views.num_blocks[layout] (0: main, 1: small
-    batch); the grid covers the M-blocks `max_tokens` (default T) tokens can produce."""
+    batch); the grid covers the M-blocks `max_tokens` (default T) tokens can produce. With fp8,
+    x is ignored for its quantised rows in fp8.views (w13 is the fp8 weights)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     tiles: GemmTiles = cfg.gemm1
     rows = num_tokens if max_tokens is None else max_tokens
     max_tiles = max_m_blocks(rows, num_experts, top_k, cfg.block_m) * triton.cdiv(inter, tiles.block_n)
+    a = x if fp8 is None else fp8.views.x
+    if fp8 is None:
+        a_scale, w_scale, strides = x, x, dict(_NO_SCALES)
+    else:
+        split = fp8.weights.gate_up_split
+        up_rows = (0, triton.cdiv(inter, FP8_BLOCK)) if split else (inter, 0)
+        a_scale, w_scale = fp8.views.x_scale, fp8.weights.w13_scale
+        strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
     grid = (_grid_size(max_tiles, x.device, cfg.programs_per_sm),)
     _gemm1_kernel[grid](
-        x, _weight_operand(w13, tiles), views.sorted_slots, views.block_end, views.num_blocks[layout:],
+        a, _weight_operand(w13, tiles), views.sorted_slots, views.block_end, views.num_blocks[layout:],
+        a_scale, w_scale,
         views.intermediate,
-        hidden, inter, num_experts, 2 * inter * hidden, inter * hidden,
+        hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
+        **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
+        QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=hidden % tiles.block_k == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        EVEN_K=hidden % tiles.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
         USE_TMA=_use_tma(w13, tiles), USE_PDL=use_pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
@@ -316,29 +455,38 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
                cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
-               use_pdl: bool = False) -> None:
-    """GEMM2 over the layout views.num_blocks[layout] counts (see gemm1_into)."""
+               use_pdl: bool = False, fp8: Fp8Operands | None = None) -> None:
+    """GEMM2 over the layout views.num_blocks[layout] counts (see gemm1_into); with fp8 its A rows
+    are the quantised intermediate in fp8.views."""
     num_experts, hidden, inter = w2.shape
     tiles: GemmTiles = cfg.gemm2
     rows = num_tokens if max_tokens is None else max_tokens
     max_tiles = max_m_blocks(rows, num_experts, top_k, cfg.block_m) * triton.cdiv(hidden, tiles.block_n)
+    a = views.intermediate if fp8 is None else fp8.views.inter
+    if fp8 is None:
+        a_scale, w_scale, strides = a, a, dict(_NO_SCALES)
+    else:
+        a_scale, w_scale = fp8.views.inter_scale, fp8.weights.w2_scale
+        strides = _weight_scale_strides(w_scale, fp8.weights.mode)
+    del strides["up_scale_row"], strides["up_scale_offset"]
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
     grid = (_grid_size(max_tiles, w2.device, cfg.programs_per_sm),)
     _gemm2_kernel[grid](
-        views.intermediate, _weight_operand(w2, tiles), weights, views.sorted_slots, views.block_end,
-        views.num_blocks[layout:],
+        a, _weight_operand(w2, tiles), weights, views.sorted_slots, views.block_end,
+        views.num_blocks[layout:], a_scale, w_scale,
         views.y,
-        hidden, inter, num_experts, hidden * inter,
-        NUM_BINS=num_bins(num_experts),
+        hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
+        NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=inter % tiles.block_k == 0, DOT_PRECISION=_dot_precision(w2.dtype),
+        EVEN_K=inter % tiles.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
         USE_TMA=_use_tma(w2, tiles), USE_PDL=use_pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
 
 
 def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
-                       dtype: torch.dtype, device: torch.device, cfg: ExpertsConfig) -> ExpertsConfig | None:
+                       dtype: torch.dtype, device: torch.device, cfg: ExpertsConfig,
+                       quant: str | None = None) -> ExpertsConfig | None:
     """The tiles for few valid rows (num_valid <= SMALL_BATCH_TOKENS) in a batch whose bucket is
     larger, when the batch's own tiles are of another regime (a larger BLOCK_M): a graph captured
     for 1024 rows then replays a decode step with decode tiles instead of prefill tiles. Between
@@ -346,8 +494,18 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
     T = 64 on the Qwen3 shape (H200, run 2)."""
     if num_tokens <= SMALL_BATCH_TOKENS:
         return None
-    small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device)
+    small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
     return small if small.block_m < cfg.block_m else None
+
+
+def _check_fp8_config(cfg: ExpertsConfig | None, weights: Fp8Weights | None) -> None:
+    if cfg is None or weights is None or weights.mode != "block":
+        return
+    if max(cfg.gemm1.block_k, cfg.gemm2.block_k) > FP8_BLOCK:
+        raise ValueError(
+            f"fp8 block mode needs block_k <= {FP8_BLOCK} (one K step inside one scale group), got "
+            f"gemm1.block_k={cfg.gemm1.block_k} gemm2.block_k={cfg.gemm2.block_k}"
+        )
 
 
 def experts_triton(
@@ -364,6 +522,7 @@ def experts_triton(
     out: torch.Tensor | None = None,
     config: ExpertsConfig | None = None,
     small_config: ExpertsConfig | None = None,
+    fp8: Fp8Weights | None = None,
 ) -> torch.Tensor:
     """Expert MLPs with the Triton kernels; arguments already validated by `safemoe.experts`.
 
@@ -377,11 +536,19 @@ def experts_triton(
     launched for both, and the pair that dispatch did not pick finds no M-block and returns. So
     results are a deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS), and a row's bits
     do not depend on what padding rows hold.
+
+    fp8 (w13, w2 float8_e4m3fn with `fp8`'s scales; x bf16/fp16; the workspace needs fp8
+    buffers): x's rows < num_valid are quantised first (kernels/quant.py: per token, or 1x128
+    groups in block mode), GEMM1 multiplies fp8 x fp8 and dequantises (per-tensor: in its
+    epilogue; block: each 128-wide K step), stores the intermediate in x's dtype, a second
+    quantisation pass turns the used positions into fp8 rows with their own scales, and GEMM2
+    multiplies those by the fp8 w2. Seven launches (six with one dispatch chunk).
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = ids.shape[1]
+    quant = None if fp8 is None else fp8.mode
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
@@ -389,30 +556,49 @@ def experts_triton(
             f"out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}, got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}"
         )
+    _check_fp8_config(config, fp8)
+    _check_fp8_config(small_config, fp8)
     if num_tokens == 0:
         return out
     if config is None:
-        config = get_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device)
+        config = get_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device, quant)
         small_config = small_batch_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device,
-                                          config)
+                                          config, quant)
     if workspace is None:
-        workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device)
+        workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device,
+                              fp8=fp8 is not None)
     else:
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a safemoe Workspace or None, got {type(workspace).__name__}")
-        workspace.check(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device)
+        workspace.check(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device, fp8=fp8 is not None)
     views = workspace.views(num_tokens, num_experts, top_k, hidden, inter)
     use_pdl = config.pdl and x.device.type == "cuda" and pdl_supported()
     small_tokens = min(num_tokens, SMALL_BATCH_TOKENS)
     small = (small_config.block_m, small_tokens * top_k) if small_config is not None else None
+    operands = None
+    if fp8 is not None:
+        group = FP8_BLOCK if fp8.mode == "block" else None
+        operands = Fp8Operands(fp8, workspace.fp8_views(num_tokens, num_experts, top_k, hidden, inter, group))
+        quantize_rows_into(x, operands.views.x, operands.views.x_scale, group or hidden, num_valid,
+                           use_pdl=use_pdl)
     dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small, use_pdl=use_pdl)
-    gemm1_into(x, w13, views, top_k, activation, config, use_pdl=use_pdl)
+    gemm1_into(x, w13, views, top_k, activation, config, use_pdl=use_pdl, fp8=operands)
     if small_config is not None:
         gemm1_into(x, w13, views, top_k, activation, small_config, layout=1, max_tokens=small_tokens,
-                   use_pdl=use_pdl)
-    gemm2_into(w2, weights, views, num_tokens, top_k, config, use_pdl=use_pdl)
+                   use_pdl=use_pdl, fp8=operands)
+    if operands is not None:
+        positions = max_m_blocks(num_tokens, num_experts, top_k, config.block_m) * config.block_m
+        small_block_m = 0
+        if small_config is not None:
+            small_block_m = small_config.block_m
+            small_blocks = max_m_blocks(small_tokens, num_experts, top_k, small_block_m)
+            positions = max(positions, small_blocks * small_block_m)
+        quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
+                                operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
+                                small_block_m, positions, use_pdl=use_pdl)
+    gemm2_into(w2, weights, views, num_tokens, top_k, config, use_pdl=use_pdl, fp8=operands)
     if small_config is not None:
         gemm2_into(w2, weights, views, num_tokens, top_k, small_config, layout=1, max_tokens=small_tokens,
-                   use_pdl=use_pdl)
+                   use_pdl=use_pdl, fp8=operands)
     combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
     return out

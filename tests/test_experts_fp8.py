@@ -1,0 +1,469 @@
+"""fp8 (e4m3) expert weights: quantisation rules, the Triton kernels (interpreted) against the
+dequantised fp32 reference, row and padding isolation, argument checks, `quantize_experts`.
+
+The Triton interpreter (triton 3.9) runs fp8 tensors and fp8 x fp8 dots (it widens e4m3 to fp16,
+exactly, and multiplies in fp32), so the kernels' fp8 paths run here; its fp32 -> fp8 cast does
+not round to nearest even, which is why the quantisation kernel rounds in fp32 arithmetic itself
+(`round_to_e4m3`, checked bit for bit against torch's cast below). x is fp16 or bf16 (bf16 is
+upcast after load in the interpreter), H and I <= 256, small E.
+
+Tolerances against `experts_fp8_reference` (which quantises exactly as the kernels do: the
+activation scales and fp8 codes of x agree bit for bit): the kernels accumulate in another order
+and round the intermediate once more before re-quantising it, so an intermediate value can land
+one fp8 step away; with fp16 x the measured relative Frobenius errors are ~4e-4, asserted
+<= 5e-3, and every element within 2% of max|ref|. With bf16 x the interpreter truncates the fp32
+-> bf16 stores of the intermediate (the GPU rounds to nearest even, as the reference does), which
+moves ~6% of the re-quantised intermediate values by one fp8 step: measured ~1.5e-2, asserted
+<= 3e-2 and 6e-2 (the GPU tests hold bf16 to the fp16 bounds' order). Against the unquantised
+reference the fp8 error itself is ~6.5% (e4m3 keeps 3 mantissa bits), asserted <= 12%.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import safemoe
+from helpers import STALE_ID, assert_equal, garbage_ids, poisoned
+from safemoe._checks import NumValid, check_fp8_weights
+from safemoe.configs import ExpertsConfig, GemmTiles
+from safemoe.health import DROPPED_SLOTS, new_health_tensor
+from safemoe.kernels.experts import experts_triton
+from safemoe.kernels.quant import quantize_rows_into, round_to_e4m3
+from safemoe.quant import _quantize_stack, dequantize_experts, quantize_experts
+from safemoe.reference import (
+    FP8_DTYPE,
+    dequantize_expert_weight,
+    dequantize_groups_reference,
+    experts_fp8_reference,
+    experts_reference,
+    quantize_groups_reference,
+)
+from safemoe.workspace import Workspace, workspace_bytes
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests (CPU tensors)")
+
+MODES = ("per_tensor", "block")
+# vs the fp8 reference, per x dtype: (relative Frobenius error, worst element / max |ref|); see
+# the module docstring
+TOLERANCES = {torch.float16: (5e-3, 2e-2), torch.bfloat16: (3e-2, 6e-2)}
+FP8_ERROR_TOL = 0.12  # vs the unquantised reference
+
+
+def _bf16_weights(num_experts: int, hidden: int, inter: int, gen: torch.Generator):
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden)
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter)
+    return w13, w2
+
+
+def _routing(num_tokens: int, top_k: int, num_experts: int, gen: torch.Generator):
+    ids = torch.argsort(torch.rand(num_tokens, num_experts, generator=gen), dim=1)[:, :top_k].to(torch.int32)
+    return torch.rand(num_tokens, top_k, generator=gen), ids.contiguous()
+
+
+def _case(num_tokens, num_experts, top_k, hidden, inter, mode, dtype=torch.float16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2 = _bf16_weights(num_experts, hidden, inter, gen)
+    q13, q2, s13, s2 = quantize_experts(w13, w2, mode)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    return x, (w13, w2), (q13, q2, s13, s2), weights, ids
+
+
+def _run(x, fp8w, weights, ids, *, num_valid=None, activation="silu", workspace=None, out=None, config=None):
+    q13, q2, s13, s2 = fp8w
+    if not isinstance(num_valid, NumValid):
+        num_valid = NumValid(x.shape[0] if num_valid is None else num_valid, None)
+    return experts_triton(x, q13, q2, weights, ids, activation=activation, num_valid=num_valid, health=None,
+                          workspace=workspace, out=out, config=config,
+                          fp8=check_fp8_weights(q13, q2, s13, s2))
+
+
+def _reference(x, fp8w, weights, ids, *, num_valid=None, activation="silu"):
+    q13, q2, s13, s2 = fp8w
+    nv = None if num_valid is None else NumValid(num_valid, None)
+    return experts_fp8_reference(x, q13, q2, s13, s2, weights, ids, activation=activation, num_valid=nv)
+
+
+def _assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    assert bool(torch.isfinite(out).all()), f"{what}: non-finite output"
+    diff = (out.double() - ref.double())
+    scale = ref.double().abs().max().clamp_min(1e-30)
+    rel = float(diff.norm() / ref.double().norm().clamp_min(1e-30))
+    worst = float(diff.abs().max() / scale)
+    rel_tol, max_tol = TOLERANCES[ref.dtype]
+    assert rel <= rel_tol and worst <= max_tol, f"{what}: relative error {rel:.2e}, worst element {worst:.2e}"
+
+
+def _config(block_m: int, block_n: int = 32, block_k: int = 32, tma: bool = False) -> ExpertsConfig:
+    tiles = GemmTiles(block_n=block_n, block_k=block_k, group_m=2, num_warps=4, num_stages=1, tma=tma)
+    return ExpertsConfig(block_m=block_m, gemm1=tiles, gemm2=tiles)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantisation rules
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_kernel(src_ptr, dst_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(dst_ptr + offsets, round_to_e4m3(tl.load(src_ptr + offsets)).to(dst_ptr.dtype.element_ty))
+
+
+def test_round_to_e4m3_matches_torch_cast_bitwise() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    codes = codes[torch.isfinite(codes)]  # every e4m3 value, both zeros, subnormals, +-448
+    grid = torch.sort(codes.unique()).values
+    midpoints = (grid[1:] + grid[:-1]) / 2  # exact ties: round to even
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([codes, midpoints, (torch.rand(2048, generator=gen) * 2 - 1) * 448,
+                        (torch.rand(512, generator=gen) * 2 - 1) * 2**-6,
+                        torch.tensor([2**-10, -(2**-10), 3 * 2**-11])])
+    src = torch.zeros(4096)
+    src[: values.numel()] = values
+    dst = torch.empty(4096, dtype=FP8_DTYPE)
+    _round_kernel[(1,)](src, dst, N=4096)
+    assert_equal(dst.view(torch.uint8), src.to(FP8_DTYPE).view(torch.uint8), what="fp8 codes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [128, 300])
+def test_quantize_rows_kernel_matches_reference_bitwise(dtype: torch.dtype, group: int) -> None:
+    """Codes and scales equal the reference's bit for bit (NaN, +-Inf, all-zero, tiny and huge
+    rows included); rows at or past num_valid are neither read nor written."""
+    gen = torch.Generator().manual_seed(group)
+    rows, cols, valid = 37, 300, 30
+    t = (torch.randn(rows, cols, generator=gen) * torch.logspace(-4, 4, rows)[:, None]).to(dtype)
+    t[3, 5], t[7, 200], t[11, 130], t[9] = math.nan, math.inf, -math.inf, 0.0
+    t[valid:] = math.nan
+    num_groups = -(-cols // group)
+    q = torch.full((rows, cols), 0x7F, dtype=torch.uint8).view(FP8_DTYPE)  # NaN codes
+    scale = torch.full((rows, num_groups), -1.0)
+    quantize_rows_into(t, q, scale, group, NumValid(None, torch.tensor(valid)))
+    ref_q, ref_scale = quantize_groups_reference(t[:valid], group)
+    assert_equal(q[:valid].view(torch.uint8), ref_q.view(torch.uint8), what="codes")
+    assert_equal(scale[:valid], ref_scale, what="scales")
+    assert bool((q[valid:].view(torch.uint8) == 0x7F).all()) and bool((scale[valid:] == -1).all())
+
+
+def test_quantize_groups_reference_rules() -> None:
+    """scale = amax / 448, the amax element maps to +-448 exactly, zero groups use the floor, a
+    non-finite group gets scale NaN and codes 0 (dequantised: all NaN), other groups untouched."""
+    t = torch.tensor([[1.0, -3.5, 0.25, 2.0], [0.0, 0.0, 0.0, 0.0], [1.0, math.nan, 2.0, 3.0],
+                      [1.0, 2.0, math.inf, 4.0]])
+    q, scale = quantize_groups_reference(t, 2)
+    assert scale.shape == (4, 2)
+    assert float(scale[0, 0]) == pytest.approx(3.5 / 448) and float(q[0, 1]) == -448.0
+    assert float(scale[1, 0]) == pytest.approx(1e-10 / 448) and bool((q[1].float() == 0).all())
+    assert math.isnan(scale[2, 0]) and not math.isnan(scale[2, 1]) and bool((q[2, :2].float() == 0).all())
+    deq = dequantize_groups_reference(q, scale, 2)
+    assert bool(deq[2, :2].isnan().all()) and bool(torch.isfinite(deq[2, 2:]).all())
+    assert bool(deq[3, 2:].isnan().all()) and bool(torch.isfinite(deq[3, :2]).all())
+    assert torch.allclose(deq[0], t[0], rtol=2**-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("dtype", "activation"), [(torch.float16, "silu"), (torch.bfloat16, "gelu"),
+                                                   (torch.float16, "swigluoai")])
+def test_matches_reference(mode: str, dtype: torch.dtype, activation: str) -> None:
+    """H and I not multiples of 128 (a partial last scale group) nor of BLOCK_K/BLOCK_N."""
+    x, full, fp8w, weights, ids = _case(33, 6, 2, 200, 136, mode, dtype, seed=1)
+    out = _run(x, fp8w, weights, ids, activation=activation, out=poisoned(x.shape, dtype))
+    ref = _reference(x, fp8w, weights, ids, activation=activation)
+    _assert_fp8_close(out, ref, f"{mode} {dtype} {activation}")
+    unquantised = experts_reference(x.float(), full[0], full[1], weights, ids, activation=activation)
+    error = float((out.float() - unquantised).norm() / unquantised.norm())
+    assert error <= FP8_ERROR_TOL, f"fp8 error vs the unquantised experts: {error:.3f}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("block_m", "block_n", "block_k", "tma"),
+                         [(16, 32, 64, False), (32, 64, 128, True), (64, 32, 32, True), (128, 16, 64, False)])
+def test_tiles_tails_and_tma(mode: str, block_m: int, block_n: int, block_k: int, tma: bool) -> None:
+    """Every BLOCK_M; K steps of 32..128 inside the 128-wide scale groups; K and N tails; weights
+    through pointers and through TMA descriptors (fp8 boxes)."""
+    x, _, fp8w, weights, ids = _case(70, 4, 2, 160, 72, mode, seed=block_m)
+    out = _run(x, fp8w, weights, ids, config=_config(block_m, block_n, block_k, tma))
+    _assert_fp8_close(out, _reference(x, fp8w, weights, ids), f"{mode} BM{block_m}")
+
+
+def test_per_tensor_gate_and_up_scales() -> None:
+    """w13_scale [E, 2]: the gate rows and the up rows each have their own per-tensor scale."""
+    x, (w13, w2), _, weights, ids = _case(24, 4, 2, 64, 48, "per_tensor", seed=3)
+    w13 = w13.clone()
+    w13[:, 48:] *= 20.0  # up rows far larger than the gate rows
+    gate_q, gate_s = _quantize_stack("gate", w13[:, :48], "per_tensor")
+    up_q, up_s = _quantize_stack("up", w13[:, 48:], "per_tensor")
+    w2_q, w2_s = _quantize_stack("w2", w2, "per_tensor")
+    fp8w = (torch.cat([gate_q, up_q], dim=1), w2_q, torch.stack([gate_s, up_s], dim=1), w2_s)
+    out = _run(x, fp8w, weights, ids)
+    _assert_fp8_close(out, _reference(x, fp8w, weights, ids))
+    unquantised = experts_reference(x.float(), w13, w2, weights, ids)
+    assert float((out.float() - unquantised).norm() / unquantised.norm()) <= FP8_ERROR_TOL
+
+
+def test_block_scales_of_separately_quantised_gate_and_up() -> None:
+    """DeepSeek-V3 checkpoints quantise gate_proj and up_proj separately; their concatenated
+    weight_scale_inv has 2*ceil(I/128) block rows, accepted as it is where that differs from
+    ceil(2I/128) (I = 136: 4 vs 3). Where the two shapes coincide they mean the same blocks when
+    I % 128 == 0; otherwise the stacked reading is taken (docs/fp8.md)."""
+    num_experts, inter = 4, 136
+    x, (w13, w2), _, weights, ids = _case(30, num_experts, 2, 64, inter, "block", seed=5)
+    gate_q, gate_s = _quantize_stack("gate", w13[:, :inter], "block")
+    up_q, up_s = _quantize_stack("up", w13[:, inter:], "block")
+    w2_q, w2_s = _quantize_stack("w2", w2, "block")
+    fp8w = (torch.cat([gate_q, up_q], dim=1), w2_q, torch.cat([gate_s, up_s], dim=1), w2_s)
+    assert fp8w[2].shape == (num_experts, 4, 1) and check_fp8_weights(*fp8w).gate_up_split
+    out = _run(x, fp8w, weights, ids)
+    _assert_fp8_close(out, _reference(x, fp8w, weights, ids))
+    unquantised = experts_reference(x.float(), w13, w2, weights, ids)
+    assert float((out.float() - unquantised).norm() / unquantised.norm()) <= FP8_ERROR_TOL
+    d13, _ = dequantize_experts(*fp8w, dtype=torch.float32)
+    assert torch.allclose(d13, w13, rtol=2**-4, atol=float(fp8w[2].max()) * 2**-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# row isolation, padding, the rest of the bf16 contract
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nonfinite_rows_stay_in_their_row(mode: str) -> None:
+    """NaN, +Inf and -Inf planted in single real rows (one element each) and whole padding rows:
+    the poisoned real rows come out all NaN, every other real row is bitwise what it is without
+    the poison, padded rows are exact zeros. Kernel and reference agree on which rows are NaN."""
+    num_tokens, valid = 40, 31
+    x, _, fp8w, weights, ids = _case(num_tokens, 8, 2, 160, 64, mode, seed=6)
+    clean = _run(x, fp8w, weights, ids, num_valid=valid)
+    dirty_x = x.clone()
+    poisoned_rows = {2: math.nan, 9: math.inf, 17: -math.inf}
+    for row, value in poisoned_rows.items():
+        dirty_x[row, 3 * row] = value
+    dirty_x[valid:] = math.nan
+    dirty_x[valid + 2] = math.inf
+    dirty = _run(dirty_x, fp8w, weights, ids, num_valid=NumValid(None, torch.tensor(valid)),
+                 out=poisoned(x.shape, x.dtype))
+    others = [r for r in range(valid) if r not in poisoned_rows]
+    assert_equal(dirty[others], clean[others], what="rows without poison")
+    assert bool(dirty[list(poisoned_rows)].isnan().all()), "a poisoned row must come out NaN"
+    assert_equal(dirty[valid:], torch.zeros_like(dirty[valid:]), what="padded rows")
+    ref = _reference(dirty_x, fp8w, weights, ids, num_valid=valid)
+    assert_equal(ref.isnan().any(dim=1), dirty.isnan().any(dim=1), what="NaN rows vs reference")
+    _assert_fp8_close(dirty[others], ref[others])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_isolation_bitwise(mode: str) -> None:
+    """Real rows are bitwise identical whatever padding rows hold (NaN/Inf x, NaN weights,
+    garbage ids); padded rows are exact zeros; T = num_valid without padding gives the same bits."""
+    num_tokens, valid = 40, 23
+    x, _, fp8w, weights, ids = _case(num_tokens, 8, 2, 64, 64, mode, seed=7)
+    clean_x, clean_w, clean_ids = x.clone(), weights.clone(), ids.clone()
+    clean_x[valid:], clean_w[valid:], clean_ids[valid:] = 0, 0, -1
+    dirty_x, dirty_w, dirty_ids = x.clone(), weights.clone(), ids.clone()
+    dirty_x[valid:], dirty_w[valid:] = math.nan, math.nan
+    dirty_x[valid::2] = math.inf
+    dirty_ids[valid:] = garbage_ids(num_tokens - valid, 2, 8, generator=torch.Generator().manual_seed(1))
+    dirty_ids[valid::3] = STALE_ID
+    ws = Workspace(num_tokens, 8, 2, 64, 64, x.dtype, "cpu", fp8=True)
+    clean = _run(clean_x, fp8w, clean_w, clean_ids, num_valid=valid, workspace=ws)
+    dirty = _run(dirty_x, fp8w, dirty_w, dirty_ids, num_valid=NumValid(None, torch.tensor(valid)),
+                 out=poisoned(x.shape, x.dtype), workspace=ws)
+    assert_equal(dirty[:valid], clean[:valid], what="real rows")
+    assert_equal(dirty[valid:], torch.zeros_like(dirty[valid:]), what="padded rows")
+    cfg = _run_config(num_tokens)
+    alone = _run(x[:valid].contiguous(), fp8w, weights[:valid].contiguous(), ids[:valid].contiguous(),
+                 config=cfg)
+    assert_equal(alone, clean[:valid], what="T=num_valid vs padded T")
+
+
+def _run_config(num_tokens: int) -> ExpertsConfig:
+    from safemoe.configs import get_config
+
+    return get_config(num_tokens, 8, 64, 64, 2, torch.float16, torch.device("cpu"), "block")
+
+
+@pytest.mark.parametrize("num_valid", [0, 3, 9])
+def test_small_batch_tiles_and_device_num_valid(num_valid: int) -> None:
+    """The small-batch layout (num_valid <= 8 on the device in a larger batch) quantises and
+    multiplies the right rows; num_valid 0 writes zeros."""
+    x, _, fp8w, weights, ids = _case(300, 8, 2, 32, 32, "block", seed=num_valid)
+    x[num_valid:] = math.nan
+    big = ExpertsConfig(64, GemmTiles(32, 32, 2, 4, 1), GemmTiles(32, 32, 2, 4, 1))
+    small = ExpertsConfig(16, GemmTiles(32, 32, 1, 4, 1), GemmTiles(32, 32, 1, 4, 1))
+    q13, q2, s13, s2 = fp8w
+    ws = Workspace(300, 8, 2, 32, 32, x.dtype, "cpu", fp8=True)
+    out = experts_triton(x, q13, q2, weights, ids, activation="silu",
+                         num_valid=NumValid(None, torch.tensor(num_valid)), health=None, workspace=ws,
+                         out=poisoned(x.shape, x.dtype), config=big, small_config=small,
+                         fp8=check_fp8_weights(q13, q2, s13, s2))
+    ref = _reference(x, fp8w, weights, ids, num_valid=num_valid)
+    assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+    if num_valid:
+        _assert_fp8_close(out[:num_valid], ref[:num_valid])
+
+
+def test_public_api_garbage_ids_health_and_determinism() -> None:
+    """Through safemoe.experts: dropped slots counted exactly, duplicates served, two runs equal
+    bit for bit, backend="reference" is the fp8 reference."""
+    from safemoe.reference import dispatch_reference
+
+    x, _, (q13, q2, s13, s2), weights, _ = _case(50, 6, 4, 64, 64, "per_tensor", seed=8)
+    ids = garbage_ids(50, 4, 6, generator=torch.Generator().manual_seed(2))
+    routing = safemoe.Routing(weights=weights, ids=ids)
+    health = new_health_tensor()
+    kwargs = {"w13_scale": s13, "w2_scale": s2, "num_valid": 45}
+    out = safemoe.experts(x, q13, q2, routing, backend="triton", health=health, **kwargs)
+    again = safemoe.experts(x, q13, q2, routing, backend="triton", **kwargs)
+    assert_equal(again, out, what="run to run")
+    ref = safemoe.experts(x, q13, q2, routing, backend="reference", **kwargs)
+    _assert_fp8_close(out, ref)
+    assert int(health[DROPPED_SLOTS]) == dispatch_reference(ids, 6, NumValid(45, None)).dropped > 0
+
+
+def test_workspace_fp8_buffers_and_sharing() -> None:
+    """fp8 buffers counted in nbytes; a poisoned workspace gives the bits of a fresh one; one
+    workspace serves fp8 and fp16 calls; a workspace without fp8 buffers is refused clearly."""
+    ws = Workspace(64, 8, 2, 64, 64, torch.float16, "cpu", fp8=True)
+    assert ws.nbytes == workspace_bytes(64, 8, 2, 64, 64, torch.float16, fp8=True)
+    assert ws.nbytes > workspace_bytes(64, 8, 2, 64, 64, torch.float16)
+    f8 = ws.fp8_views(64, 8, 2, 64, 64, 128)
+    f8.x.view(torch.uint8).fill_(0x7F)
+    f8.inter.view(torch.uint8).fill_(0x7F)
+    f8.x_scale.fill_(math.nan)
+    f8.inter_scale.fill_(math.nan)
+    x, full, fp8w, weights, ids = _case(64, 8, 2, 64, 64, "block", seed=9)
+    assert_equal(_run(x, fp8w, weights, ids, workspace=ws), _run(x, fp8w, weights, ids))
+    w13h, w2h = full[0].half(), full[1].half()
+    plain = experts_triton(x, w13h, w2h, weights, ids, activation="silu", num_valid=NumValid(64, None),
+                           health=None, workspace=ws)
+    expected = experts_reference(x, w13h, w2h, weights, ids)
+    assert torch.allclose(plain.float(), expected.float(), atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="fp8=True"):
+        _run(x, fp8w, weights, ids, workspace=Workspace(64, 8, 2, 64, 64, torch.float16, "cpu"))
+
+
+def test_bf16_on_the_interpreter() -> None:
+    """bf16 (not only fp8) runs on the interpreter: operands are upcast after load (its dot would
+    otherwise multiply raw bf16 bits: results off by ~1e10, silently)."""
+    gen = torch.Generator().manual_seed(10)
+    w13, w2 = (w.bfloat16() for w in _bf16_weights(4, 64, 48, gen))
+    x = torch.randn(20, 64, generator=gen).bfloat16()
+    weights, ids = _routing(20, 2, 4, gen)
+    out = safemoe.experts(x, w13, w2, safemoe.Routing(weights=weights, ids=ids), backend="triton")
+    ref = experts_reference(x, w13, w2, weights, ids)
+    # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): one bf16 step apart
+    assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_experts and the argument checks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_experts_round_trip(mode: str) -> None:
+    """Shapes and dtypes; each dequantised weight within half an fp8 step of the original;
+    quantising the dequantised weights again gives the same codes and scales."""
+    gen = torch.Generator().manual_seed(11)
+    w13, w2 = _bf16_weights(3, 200, 136, gen)
+    w13[1, 5:9] = 0.0
+    w2[2] = 0.0  # an all-zero expert: floored scale, codes 0
+    q13, q2, s13, s2 = quantize_experts(w13.bfloat16(), w2.bfloat16(), mode)
+    assert q13.dtype == q2.dtype == FP8_DTYPE and s13.dtype == s2.dtype == torch.float32
+    expected = {"per_tensor": ((3,), (3,)), "block": ((3, 3, 2), (3, 2, 2))}[mode]
+    assert (tuple(s13.shape), tuple(s2.shape)) == expected
+    d13, d2 = dequantize_experts(q13, q2, s13, s2, torch.float32)
+    for original, deq, scale in ((w13.bfloat16().float(), d13, s13), (w2.bfloat16().float(), d2, s2)):
+        # half a step: 2^-4 relative for normal e4m3 values, 2^-10 x scale in the subnormal range
+        step = scale.max().item()
+        assert bool(((deq - original).abs() <= original.abs() * 2**-4 + step * 2**-10).all())
+    again = quantize_experts(d13, d2, mode)
+    for a, b in zip(again, (q13, q2, s13, s2), strict=True):
+        assert_equal(_bits(a), _bits(b))
+    assert bool((q2[2].float() == 0).all())
+    # a 0-dim per-expert scale dequantises the same way through the reference helper
+    assert torch.equal(dequantize_expert_weight(q2[0], s2[0]), d2[0])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def test_quantize_experts_errors() -> None:
+    w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 16, 4)
+    with pytest.raises(ValueError, match="mode"):
+        quantize_experts(w13, w2, "per_channel")
+    with pytest.raises(ValueError, match="w2"):
+        quantize_experts(w13, torch.randn(2, 4, 16))
+    bad = w13.clone()
+    bad[1, 2, 3] = math.nan
+    with pytest.raises(ValueError, match="w13 holds NaN"):
+        quantize_experts(bad, w2)
+    with pytest.raises(TypeError, match="w13"):
+        quantize_experts(w13.to(torch.float64), w2)
+
+
+def _fp8_args(mode: str = "block"):
+    gen = torch.Generator().manual_seed(12)
+    w13, w2 = _bf16_weights(4, 64, 32, gen)
+    q13, q2, s13, s2 = quantize_experts(w13, w2, mode)
+    x = torch.randn(5, 64, generator=gen).half()
+    return {"x": x, "w13": q13, "w2": q2, "w13_scale": s13, "w2_scale": s2}, (w13, w2)
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"w13_scale": None, "w2_scale": None}, ValueError, "need both w13_scale and w2_scale"),
+    ({"w2_scale": None}, ValueError, "need both"),
+    ({"x": "fp32"}, TypeError, "x must be bfloat16 or float16"),
+    ({"w13_scale": "wrong shape"}, ValueError, r"w13_scale has shape \(4, 1, 2\)"),
+    ({"w2_scale": "per_tensor"}, ValueError, "w13_scale is block .* but w2_scale is per_tensor"),
+    ({"w13_scale": "float64"}, TypeError, "w13_scale must be float32"),
+    ({"w13_scale": "strided"}, ValueError, "w13_scale must be contiguous"),
+    ({"w2": "e5m2"}, TypeError, "w2 is torch.float8_e5m2"),
+    ({"w2": "bf16"}, TypeError, "only for float8_e4m3fn weights"),
+    ({"w13": "bf16", "w2": "bf16"}, TypeError, "only for float8_e4m3fn weights"),
+    ({"w2": "wrong shape"}, ValueError, "w2 must have shape"),
+    ({"w13_scale": "list"}, TypeError, "w13_scale must be a torch.Tensor"),
+])
+def test_fp8_argument_errors(change: dict, error: type, match: str) -> None:
+    args, (w13, w2) = _fp8_args()
+    replacements = {
+        "fp32": args["x"].float(), "per_tensor": torch.ones(4), "float64": args["w13_scale"].double(),
+        "strided": torch.ones(4, 2, 1)[:, :1], "e5m2": args["w2"].to(torch.float8_e5m2), "list": [1.0],
+    }
+    for key, value in change.items():
+        if value == "wrong shape":
+            value = torch.ones(4, 1, 2) if key == "w13_scale" else args["w2"][:, :, :16].contiguous()
+        elif value == "bf16":
+            value = (w13 if key == "w13" else w2).bfloat16()
+        elif isinstance(value, str):
+            value = replacements[value]
+        args[key] = value
+    routing = safemoe.Routing(weights=torch.rand(5, 2), ids=torch.zeros(5, 2, dtype=torch.int32))
+    with pytest.raises(error, match=match):
+        safemoe.experts(args.pop("x"), args.pop("w13"), args.pop("w2"), routing, backend="reference", **args)
+
+
+def test_per_tensor_bad_shapes_and_block_k() -> None:
+    args, _ = _fp8_args("per_tensor")
+    routing = safemoe.Routing(weights=torch.rand(5, 2), ids=torch.zeros(5, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"w13_scale has shape \(4, 3\)"):
+        safemoe.experts(args["x"], args["w13"], args["w2"], routing, w13_scale=torch.ones(4, 3),
+                        w2_scale=args["w2_scale"])
+    block_args, _ = _fp8_args("block")
+    fp8 = check_fp8_weights(*(block_args[k] for k in ("w13", "w2", "w13_scale", "w2_scale")))
+    with pytest.raises(ValueError, match="block_k <= 128"):
+        experts_triton(block_args["x"], block_args["w13"], block_args["w2"], routing.weights, routing.ids,
+                       activation="silu", num_valid=NumValid(5, None), health=None, fp8=fp8,
+                       config=_config(16, block_k=256))
