@@ -116,7 +116,7 @@ def check_common_bucket(ctx: Ctx) -> None:
     raw = common_bucket(local)
     from_int = common_bucket(ctx.n, device=ctx.device)
     x_pad, nv = ctx.padded()
-    assert agreed.dim() == 0 and agreed.device == ctx.device
+    assert agreed.dim() == 0 and agreed.device == local.device  # cuda:r, not just "cuda"
     assert int(agreed) == ctx.bucket(), (int(agreed), ctx.counts)
     assert int(raw) == max(ctx.counts) == int(from_int)
     assert x_pad.shape == (ctx.bucket(), ctx.hidden) and int(nv) == ctx.n and nv.dtype == torch.int32
