@@ -284,11 +284,18 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
 }
 
 
-def rank_checks(rank: int, world: int, setup: Setup, scenarios: tuple[tuple[int, ...], ...]) -> dict:
-    """Run every check for every scenario on this rank; {"name[counts]": None or the traceback}."""
+def rank_checks(
+    rank: int,
+    world: int,
+    setup: Setup,
+    scenarios: tuple[tuple[int, ...], ...],
+    checks: dict[str, Callable[[Ctx], None]] | None = None,
+) -> dict:
+    """Run every check (default CHECKS) for every scenario on this rank; {"name[counts]": None or
+    the traceback}."""
     results: dict[str, str | None] = {}
     for counts in scenarios:
-        for name, check in CHECKS.items():
+        for name, check in (CHECKS if checks is None else checks).items():
             key = f"{name}[{','.join(map(str, counts))}]"
             try:
                 check(Ctx(rank, world, setup, counts))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import traceback
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from helpers import assert_close, assert_equal
 from safemoe.distributed import EPMoE, common_bucket, spawn
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, PADDED_ROWS, new_health_tensor
 from safemoe.workspace import Workspace
-from test_distributed import BUCKETS, COUNTS, Ctx, Setup, assert_group_passed, rank_checks
+from test_distributed import BUCKETS, CHECKS, COUNTS, Ctx, Setup, assert_group_passed, rank_checks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -90,15 +89,7 @@ def check_graph_capture(ctx: Ctx) -> None:
 
 
 def gpu_rank_checks(rank: int, world: int, scenarios: tuple[tuple[int, ...], ...]) -> dict:
-    results = rank_checks(rank, world, GPU_SETUP, scenarios)
-    for counts in scenarios:
-        key = f"graph_capture[{','.join(map(str, counts))}]"
-        try:
-            check_graph_capture(Ctx(rank, world, GPU_SETUP, counts))
-            results[key] = None
-        except Exception:
-            results[key] = traceback.format_exc(limit=-6)
-    return results
+    return rank_checks(rank, world, GPU_SETUP, scenarios, {**CHECKS, "graph_capture": check_graph_capture})
 
 
 @functools.cache
@@ -113,8 +104,6 @@ def gpu_group_results() -> tuple[dict, ...] | str:
 
 
 def _keys() -> list[str]:
-    from test_distributed import CHECKS
-
     names = [*CHECKS, "graph_capture"]
     return [f"{name}[{','.join(map(str, counts))}]" for counts in COUNTS[WORLD] for name in names]
 
