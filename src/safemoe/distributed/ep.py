@@ -50,7 +50,7 @@ from torch import nn
 from safemoe import _checks
 from safemoe.experts import experts
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, Health, check_health
-from safemoe.module import Router
+from safemoe.module import MoE, Router
 from safemoe.routing import Routing
 
 MODES = ("dynamic", "capacity")
@@ -218,7 +218,7 @@ def check_mode(mode: object, capacity: object) -> str:
     if mode == "dynamic" and capacity is not None:
         raise ValueError(f"capacity={capacity!r} is only used with mode='capacity'")
     if mode == "capacity":
-        capacity_rows(capacity, 1)  # type and range
+        capacity_rows(capacity, 1)  # type: ignore[arg-type]  # checks the type and range
     return str(mode)
 
 
@@ -425,7 +425,7 @@ class EPMoE(nn.Module):
     @classmethod
     def from_moe(
         cls,
-        moe: nn.Module,
+        moe: MoE,
         *,
         group: Any = None,
         mode: str = "dynamic",
@@ -463,9 +463,9 @@ class EPMoE(nn.Module):
         )
         with torch.no_grad():
             ep.gate.weight.copy_(gate.weight)
-            if gate.bias is not None:
+            if gate.bias is not None and ep.gate.bias is not None:
                 ep.gate.bias.copy_(gate.bias)
-            if gate.selection_bias is not None:
+            if gate.selection_bias is not None and ep.gate.selection_bias is not None:
                 ep.gate.selection_bias.copy_(gate.selection_bias)
         ep.load_experts(moe.w13, moe.w2)
         return ep
