@@ -28,6 +28,7 @@ SLOT_NAMES = {
     NONFINITE_ROWS: "nonfinite_rows",
     DROPPED_SLOTS: "dropped_slots",
     PADDED_ROWS: "padded_rows",
+    EP_OVERFLOW_SLOTS: "ep_overflow_slots",
 }
 
 

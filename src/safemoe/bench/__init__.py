@@ -13,6 +13,8 @@ SUITES: dict[str, str] = {
     "experts": "safemoe.bench.experts",
     "runtime": "safemoe.bench.runtime",
     "reference": "safemoe.bench.reference",
+    "experts_fp8": "safemoe.bench.experts_fp8",
+    "ep": "safemoe.bench.ep",
 }
 
 
