@@ -43,10 +43,16 @@ def _quantize_matrix(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Te
 
 
 def _quantize_stack(name: str, w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError(f"{name} holds NaN or Inf values; fp8 weights need finite weights")
-    parts = [_quantize_matrix(w[e], mode) for e in range(w.shape[0])]
-    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]).contiguous()
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scales = []
+    for expert in range(w.shape[0]):
+        if not bool(torch.isfinite(w[expert]).all()):
+            raise ValueError(
+                f"{name} holds NaN or Inf values (expert {expert}); fp8 weights need finite weights"
+            )
+        q[expert], scale = _quantize_matrix(w[expert], mode)
+        scales.append(scale)
+    return q, torch.stack(scales).contiguous()
 
 
 def quantize_experts(
@@ -75,7 +81,10 @@ def quantize_experts(
 
 
 def dequantize_experts(
-    w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dequantised (fp8 * scale) expert weights in `dtype`, one expert at a time; the scale
@@ -85,7 +94,12 @@ def dequantize_experts(
     spec = check_fp8_weights(w13, w2, w13_scale, w2_scale)
     outs = []
     for w, scale, split in ((w13, w13_scale, spec.gate_up_split), (w2, w2_scale, False)):
-        outs.append(torch.stack([
-            dequantize_expert_weight(w[e], scale[e], gate_up_split=split).to(dtype) for e in range(w.shape[0])
-        ]))
+        outs.append(
+            torch.stack(
+                [
+                    dequantize_expert_weight(w[e], scale[e], gate_up_split=split).to(dtype)
+                    for e in range(w.shape[0])
+                ]
+            )
+        )
     return outs[0], outs[1]
