@@ -1,22 +1,28 @@
-"""`safemoe check`: the contract, checked through the public API on every backend available here.
+"""`safemoe check`: the fault-injection matrix, through each backend's API, crash-isolated.
 
-Cases live in `safemoe.check.cases` (one module per family), registered with
-`safemoe.check.registry.case`; backends are `safemoe.check.adapters.Adapter`s. See docs/contract.md
-for the clauses they check.
+Checks live in `safemoe.check.cases` (one module per family), registered with
+`safemoe.check.registry.case` together with their parameter grids; backends are
+`safemoe.check.adapters.Adapter`s; `safemoe.check.pool` runs case groups in worker processes
+(`safemoe.check.worker`) and survives their crashes. See docs/check.md.
 """
 
-from safemoe.check.registry import CASES, Case, CaseContext, CheckFailure, case, select_cases
-from safemoe.check.runner import Result, add_arguments, run, run_checks
+from safemoe.check.adapters import Adapter, register_backend
+from safemoe.check.registry import CASES, Case, CaseContext, CheckFailure, NotApplicable, case, select_cases
+from safemoe.check.runner import add_arguments, run
+from safemoe.check.worker import CaseResult, run_case
 
 __all__ = [
     "CASES",
+    "Adapter",
     "Case",
     "CaseContext",
+    "CaseResult",
     "CheckFailure",
-    "Result",
+    "NotApplicable",
     "add_arguments",
     "case",
+    "register_backend",
     "run",
-    "run_checks",
+    "run_case",
     "select_cases",
 ]

@@ -13,6 +13,18 @@ from typing import Any
 import torch
 
 STALE_ID = 123456789  # left in a torch.empty ids buffer in vLLM #41834
+INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
+
+# Ids that must be dropped (never an address), by kind; `stale` is the garbage of vLLM #41834.
+BAD_IDS = {
+    "neg1": lambda e: -1,
+    "neg7": lambda e: -7,
+    "eq_E": lambda e: e,
+    "E_plus_1": lambda e: e + 1,
+    "stale": lambda e: STALE_ID,
+    "int32_max": lambda e: INT32_MAX,
+    "int32_min": lambda e: INT32_MIN,
+}
 
 # Router row kinds. Non-finite kinds are what padded rows of a CUDA-graph batch carry into the
 # router in production (vLLM #39244, #37758): attention over empty slots yields NaN.
@@ -71,10 +83,14 @@ def interleave_with_tie_free(kinds: list[str]) -> list[str]:
     return out
 
 
+# What padded rows hold: NaN (the production case: attention over empty slots), +-Inf, values
+# large enough to win any softmax (1e4; 6e4 still finite in fp16), or zeros (a clean padding).
+PAD_VALUES = {"nan": math.nan, "inf": math.inf, "neg_inf": -math.inf, "1e4": 1e4, "huge": 6e4, "zero": 0.0}
+
+
 def padding_rows(kind: str, num_rows: int, width: int) -> torch.Tensor:
-    """What padded rows hold: `nan` (the production case), `inf`, `huge` or `zero`."""
-    value = {"nan": math.nan, "inf": math.inf, "huge": 6e4, "zero": 0.0}[kind]
-    return torch.full((num_rows, width), value)
+    """[num_rows, width] fp32 rows of the padding kind (see PAD_VALUES)."""
+    return torch.full((num_rows, width), PAD_VALUES[kind])
 
 
 @dataclass(frozen=True)

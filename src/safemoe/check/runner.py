@@ -1,16 +1,21 @@
-"""`safemoe check`: run the registered cases on every backend here, show a table, write JSON."""
+"""`safemoe check`: the fault-injection matrix on every backend here, crash-isolated; a table
+backend x family, failure details with one-line repros, JSON, and an exit status for the chosen
+backends (default: safemoe's own). Peers are run side by side and reported honestly; their
+failures do not fail the command."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import platform
 import sys
 import time
-import traceback
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -19,33 +24,49 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import safemoe
-from safemoe.check.adapters import ADAPTERS, BROKEN, NOT_BUILT, Adapter, make_adapters
-from safemoe.check.registry import Case, CaseContext, CheckFailure, select_cases
+from safemoe.check import adapters as adapters_module
+from safemoe.check.adapters import SAFEMOE_BACKENDS, Adapter, make_adapters
+from safemoe.check.pool import Job, Pool, PoolOptions, SanitizerReport, run_in_process, sanitizer_command
+from safemoe.check.registry import FAMILIES, Case, label, select_cases
+from safemoe.check.worker import (
+    CRASHED,
+    FAILED,
+    NA,
+    PASSED,
+    STATUSES,
+    CaseResult,
+    Runner,
+    WorkerConfig,
+    load_plugin,
+    setup,
+    static_status,
+)
 
-PASSED, FAILED, UNAVAILABLE = "passed", "failed", "unavailable"
-STYLES = {PASSED: "green", FAILED: "bold red", NOT_BUILT: "yellow", UNAVAILABLE: "dim"}
-
-
-@dataclass
-class Result:
-    check: str
-    backend: str
-    status: str  # passed, failed, not built, unavailable
-    seconds: float = 0.0
-    subcases: int = 0
-    message: str = ""
-    repro: str = ""
+SCALES = {"quick": 0, "cpu": 1, "cuda": 2}
+SCHEMA = "safemoe-check/2"
+# Examples printed per (backend, check) with failures: all a chosen backend has (up to this), one
+# for a peer (everything is in --json).
+CHOSEN_EXAMPLES, PEER_EXAMPLES = 5, 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Run the contract checks (routing on NaN/Inf rows, padding isolation, stale ids, ...) through "
-        "the public API on every backend available here. Exits 1 if any check fails."
+        "The fault-injection matrix: routing contract, padding isolation, dispatch robustness, token-count "
+        "boundaries, buffer hygiene, CUDA graphs and end-to-end layers, on safemoe's backends and every peer "
+        "implementation installed here, each case group in a crash-isolated worker process. Exits 1 if a "
+        "chosen backend fails or crashes."
     )
     parser.add_argument(
         "--backend",
+        default="safemoe",
+        help="the chosen backends, whose failures set the exit status: safemoe (reference,triton; default), "
+        "all, or comma-separated names",
+    )
+    parser.add_argument(
+        "--peers",
         default="all",
-        help=f"comma-separated backends to check: {', '.join(ADAPTERS)} or all (default)",
+        help="other backends run side by side for comparison: all (default: every registered one), none, or "
+        "comma-separated names (torch, hf-eager, hf-grouped_mm, hf-batched_mm, vllm, sglang, flashinfer)",
     )
     parser.add_argument(
         "--only",
@@ -53,8 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CHECKS",
         help="comma-separated checks: a name (routing.nan_rows), a family (routing) or a glob",
     )
+    parser.add_argument(
+        "--case", type=int, default=None, metavar="INDEX", help="run only this case of each check"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of every generated input (default 0)")
-    parser.add_argument("--quick", action="store_true", help="fewer and smaller sub-cases (CI)")
+    parser.add_argument("--quick", action="store_true", help="the small matrix (CI)")
+    parser.add_argument("--scale", choices=tuple(SCALES), default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -62,14 +87,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where tensors live: cuda if available (auto), else cpu",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes (default: up to 12 on CUDA, one per core on CPU); 0 runs every case in this "
+        "process, without crash isolation (for debugging a repro)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a case running longer is recorded as crashed (default 300 on CUDA, 600 on CPU, 4x that with "
+        "--sanitizer)",
+    )
+    parser.add_argument(
+        "--sanitizer",
+        action="store_true",
+        help="run every case group under compute-sanitizer memcheck (PYTORCH_NO_CUDA_MEMORY_CACHING=1 except "
+        "for CUDA graphs) and report its errors per backend; CUDA only; the CPU-sized matrix",
+    )
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE_OR_MODULE",
+        help="import this file or module first: it may register backends "
+        "(safemoe.check.adapters.register_backend) and checks (safemoe.check.registry.case)",
+    )
+    parser.add_argument("--max-crashes", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument(
         "--json",
         type=Path,
         default=None,
         metavar="PATH",
         dest="json_path",
-        help="also write the results as JSON to PATH",
+        help="also write every case's result as JSON to PATH",
     )
-    parser.add_argument("--list", action="store_true", help="list the checks and exit")
+    parser.add_argument(
+        "--list", action="store_true", help="list the checks and their case counts, then exit"
+    )
 
 
 def _device(choice: str) -> torch.device:
@@ -84,51 +142,99 @@ def _split(text: str | None) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
-def repro_command(args: argparse.Namespace, check: str, backend: str) -> str:
-    parts = ["safemoe check", f"--only {check}", f"--seed {args.seed}", f"--backend {backend}"]
+def _names(text: str, everything: list[str]) -> list[str]:
+    if text == "all":
+        return list(everything)
+    if text == "none":
+        return []
+    names: list[str] = []
+    for part in _split(text):
+        names += list(SAFEMOE_BACKENDS) if part == "safemoe" else [part]
+    return list(dict.fromkeys(names))
+
+
+def scale_of(args: argparse.Namespace, device: torch.device) -> int:
+    if args.scale is not None:
+        return SCALES[args.scale]
     if args.quick:
+        return 0
+    if args.sanitizer:
+        return 1  # memcheck makes every launch slow: the CPU-sized matrix, on CUDA dtypes
+    return 2 if device.type == "cuda" else 1
+
+
+def repro_command(
+    args: argparse.Namespace, device: torch.device, check: str, backend: str, index: int
+) -> str:
+    parts = [
+        "python3 -m safemoe check",
+        f"--only {check}",
+        f"--case {index}",
+        f"--backend {backend}",
+        "--peers none",
+        f"--seed {args.seed}",
+        f"--device {device.type}",
+    ]
+    if args.scale is not None:
+        parts.append(f"--scale {args.scale}")
+    elif args.quick:
         parts.append("--quick")
-    if args.device != "auto":
-        parts.append(f"--device {args.device}")
+    parts += [f"--plugin {p}" for p in args.plugin]
+    parts.append("--sanitizer" if args.sanitizer else "--jobs 0")
     return " ".join(parts)
 
 
-def _where(error: BaseException) -> str:
-    """file:line of the innermost frame of what a case raised (the crash site, not the case)."""
-    cause = error.__cause__ or error
-    frames = traceback.extract_tb(cause.__traceback__)
-    if not frames or isinstance(cause, CheckFailure):
-        return ""
-    frame = frames[-1]
-    return f" (at {Path(frame.filename).name}:{frame.lineno})"
+def plan_jobs(
+    cases: list[Case],
+    adapters: list[Adapter],
+    *,
+    device: torch.device,
+    scale: int,
+    only_case: int | None,
+    sanitizer: bool,
+) -> tuple[list[Job], list[CaseResult], dict[str, int]]:
+    """(jobs to run, results decided without running, case count per check). Jobs hold cases of
+    one backend: chunks of a check (small chunks spread the slow Triton compiles over the
+    workers); under the sanitizer one job per (backend, family), so each process's error summary
+    belongs to one backend."""
+    jobs: list[Job] = []
+    decided: list[CaseResult] = []
+    counts: dict[str, int] = {}
+    grids = {c.name: c.grid(scale, device) for c in cases}
+    for adapter in adapters:
+        if not (adapter.installed and adapter.available):
+            continue
+        by_family: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+        for case in cases:
+            grid = grids[case.name]
+            counts[case.name] = len(grid)
+            indices = [i for i in range(len(grid)) if only_case is None or i == only_case]
+            static = static_status(case, adapter, device)
+            if static is not None:
+                decided += [
+                    CaseResult(case.name, adapter.name, i, static[0], label(grid[i]), message=static[1])
+                    for i in indices
+                ]
+                continue
+            items = [(case.name, i) for i in indices]
+            if sanitizer:
+                by_family[case.family] += items
+                continue
+            size = (6 if adapter.name == "triton" else 12) if device.type == "cpu" else 40
+            jobs += [Job(0, adapter.name, items[k : k + size]) for k in range(0, len(items), size)]
+        for family, items in by_family.items():
+            # CUDA graphs need the caching allocator to capture at all; memcheck then sees less.
+            env = {} if family == "graphs" else {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+            jobs.append(Job(0, adapter.name, items, env))
+    # The slow backend first (Triton compiles, or its interpreter on CPU), then the rest.
+    jobs.sort(key=lambda j: j.backend != "triton")
+    for number, job in enumerate(jobs, start=1):
+        job.id = number
+    return jobs, decided, counts
 
 
-def run_case(case: Case, adapter: Adapter, *, seed: int, scale: int) -> Result:
-    if not adapter.available:
-        return Result(case.name, adapter.name, UNAVAILABLE, message=adapter.reason)
-    status = adapter.status_of(case.ops)
-    if status.state == NOT_BUILT:
-        return Result(case.name, adapter.name, NOT_BUILT, message=status.detail)
-    if status.state == BROKEN:
-        return Result(case.name, adapter.name, FAILED, message=status.detail)
-    ctx = CaseContext(api=adapter, device=adapter.device, seed=seed, scale=scale, case_name=case.name)
-    start = time.perf_counter()
-    try:
-        case.fn(ctx)
-    except Exception as error:  # a crash of the backend is a failure like any broken clause
-        text = str(error) if isinstance(error, CheckFailure) else f"raised {type(error).__name__}: {error}"
-        return Result(
-            case.name, adapter.name, FAILED, time.perf_counter() - start, ctx.subcases, text + _where(error)
-        )
-    return Result(case.name, adapter.name, PASSED, time.perf_counter() - start, ctx.subcases)
-
-
-def run_checks(
-    cases: list[Case], adapters: list[Adapter], *, seed: int, scale: int, console: Console | None = None
-) -> list[Result]:
-    console = console or Console(stderr=True)
-    results = []
-    with Progress(
+def _progress(console: Console) -> Progress:
+    return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -136,65 +242,157 @@ def run_checks(
         console=console,
         transient=True,
         disable=not console.is_terminal,
-    ) as progress:
-        task = progress.add_task("checking", total=len(cases) * len(adapters))
-        for case in cases:
-            for adapter in adapters:
-                progress.update(task, description=f"{adapter.name}: {case.name}")
-                results.append(run_case(case, adapter, seed=seed, scale=scale))
-                progress.advance(task)
-    return results
+    )
 
 
-def _cell(result: Result) -> str:
-    style = STYLES[result.status]
-    text = result.status.upper() if result.status == FAILED else result.status
-    if result.status in (PASSED, FAILED):
-        text += f" [dim]{result.seconds:.1f}s[/dim]"
-    return f"[{style}]{text}[/{style}]"
+def execute(
+    jobs: list[Job],
+    *,
+    config: WorkerConfig,
+    options: PoolOptions,
+    in_process: bool,
+    console: Console,
+) -> tuple[list[CaseResult], dict[str, SanitizerReport]]:
+    results: list[CaseResult] = []
+    total = sum(len(j.items) for j in jobs)
+    with _progress(console) as progress:
+        task = progress.add_task("checking", total=total)
+
+        def on_result(result: CaseResult) -> None:
+            results.append(result)
+            progress.update(task, advance=1, description=f"{result.backend}: {result.check}")
+
+        if in_process:
+            run_in_process(jobs, Runner(config).run_job, on_result)
+            return results, {}
+        pool = Pool(config, options, on_result)
+        pool.run(jobs)
+        return results, dict(pool.sanitizer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+
+Counts = dict[str, int]
+
+
+def tally(results: list[CaseResult]) -> dict[str, dict[str, Counts]]:
+    """backend -> family -> status -> count."""
+    table: dict[str, dict[str, Counts]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: dict.fromkeys(STATUSES, 0))
+    )
+    for r in results:
+        table[r.backend][r.family][r.status] += 1
+    return table
+
+
+def _sum(counts: list[Counts]) -> Counts:
+    return {s: sum(c[s] for c in counts) for s in STATUSES}
+
+
+def _cell(counts: Counts) -> str:
+    styles = {
+        PASSED: ("green", "ok"),
+        FAILED: ("bold red", "FAIL"),
+        CRASHED: ("bold magenta", "CRASH"),
+        NA: ("dim", "n/a"),
+    }
+    parts = [f"[{styles[s][0]}]{counts[s]} {styles[s][1]}[/]" for s in STATUSES if counts[s]]
+    return "\n".join(parts) or "[dim]-[/]"
 
 
 def print_report(
     console: Console,
-    cases: list[Case],
     adapters: list[Adapter],
-    results: list[Result],
-    args: argparse.Namespace,
-    device: torch.device,
+    chosen: list[str],
+    results: list[CaseResult],
+    families: list[str],
+    title: str,
+    sanitizer: dict[str, SanitizerReport] | None,
 ) -> None:
     for adapter in adapters:
-        if not adapter.available:
-            console.print(f"[dim]{adapter.name}: unavailable here: {escape(adapter.reason)}[/dim]")
-            continue
-        ops = ", ".join(f"{op} {s.state}" for op, s in adapter.ops.items())
-        console.print(f"{adapter.name} on {device}: {escape(ops)}", highlight=False)
-    by_key = {(r.check, r.backend): r for r in results}
-    table = Table(title=f"safemoe check ({device}, seed {args.seed}{', quick' if args.quick else ''})")
-    # The description column only where it fits without wrapping every row into four lines.
-    describe = console.width >= 60 + 16 * len(adapters)
-    table.add_column("check", no_wrap=True)
-    if describe:
-        table.add_column("what it checks", style="dim")
-    for adapter in adapters:
-        table.add_column(adapter.name, no_wrap=True)
-    for case in cases:
-        cells = [_cell(by_key[(case.name, a.name)]) for a in adapters]
-        table.add_row(case.name, *([escape(case.doc)] if describe else []), *cells)
-    console.print(table)
-    for result in results:
-        if result.status == FAILED:
+        mark = " (chosen)" if adapter.name in chosen else ""
+        if adapter.installed and adapter.available:
+            console.print(f"[bold]{adapter.name}[/]{mark}: {escape(adapter.description)}", highlight=False)
+        else:
             console.print(
-                f"[bold red]FAILED[/bold red] {result.backend} {result.check}: {escape(result.message)}",
+                f"[dim]{adapter.name}{mark}: {adapter.state}: {escape(adapter.reason)}[/dim]", highlight=False
+            )
+    counts = tally(results)
+    table = Table(title=title, show_lines=True, caption="* chosen: the exit status is theirs")
+    table.add_column("backend", no_wrap=True)
+    for family in families:
+        table.add_column(family, no_wrap=True)
+    table.add_column("all", no_wrap=True)
+    for adapter in adapters:
+        name = adapter.name + (" *" if adapter.name in chosen else "")
+        if not (adapter.installed and adapter.available):
+            table.add_row(f"[dim]{name}[/]", *[f"[dim]{adapter.state}[/]"] * (len(families) + 1))
+            continue
+        row = counts[adapter.name]
+        table.add_row(name, *[_cell(row[f]) for f in families], _cell(_sum([row[f] for f in families])))
+    console.print(table)
+    _print_details(console, chosen, results)
+    if sanitizer is not None:
+        for backend, report in sorted(sanitizer.items()):
+            style = "bold red" if report.errors else "green"
+            console.print(
+                f"[{style}]memcheck {backend}: {report.errors} errors[/] in {report.processes} processes",
+                highlight=False,
+            )
+            for line in report.reports[:10]:
+                console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+
+
+def _print_details(console: Console, chosen: list[str], results: list[CaseResult]) -> None:
+    groups: dict[tuple[str, str], list[CaseResult]] = collections.defaultdict(list)
+    sizes: collections.Counter[tuple[str, str]] = collections.Counter()
+    for r in results:
+        sizes[(r.backend, r.check)] += 1
+        if r.status in (FAILED, CRASHED):
+            groups[(r.backend, r.check)].append(r)
+    ordered = sorted(groups, key=lambda k: (k[0] not in chosen, k))
+    for backend, check in ordered:
+        bad = sorted(groups[(backend, check)], key=lambda r: r.case)
+        crashed = sum(r.status == CRASHED for r in bad)
+        what = ", ".join(
+            part
+            for part in (
+                f"{len(bad) - crashed} failed" if len(bad) > crashed else "",
+                f"{crashed} crashed" if crashed else "",
+            )
+            if part
+        )
+        style = "bold red" if backend in chosen else "red"
+        console.print(
+            f"[{style}]{backend} {check}[/]: {what} of {sizes[(backend, check)]} cases", highlight=False
+        )
+        for r in bad[: CHOSEN_EXAMPLES if backend in chosen else PEER_EXAMPLES]:
+            console.print(
+                f"  {r.status.upper()} {escape(f'[{r.params}]')} {escape(r.message)}",
                 highlight=False,
                 soft_wrap=True,
             )
-            console.print(f"  repro: {result.repro}", highlight=False, soft_wrap=True)
-    counts = {s: sum(r.status == s for r in results) for s in (PASSED, FAILED, NOT_BUILT, UNAVAILABLE)}
-    console.print(", ".join(f"{n} {s}" for s, n in counts.items() if n or s in (PASSED, FAILED)))
+            console.print(f"    repro: {r.repro}", highlight=False, soft_wrap=True)
+
+
+def summary_counts(results: list[CaseResult]) -> Counts:
+    return {s: sum(r.status == s for r in results) for s in STATUSES}
 
 
 def write_json(
-    path: Path, results: list[Result], adapters: list[Adapter], args: argparse.Namespace, device: torch.device
+    path: Path,
+    *,
+    args: argparse.Namespace,
+    device: torch.device,
+    scale: int,
+    adapters: list[Adapter],
+    chosen: list[str],
+    results: list[CaseResult],
+    families: list[str],
+    seconds: float,
+    sanitizer: dict[str, SanitizerReport] | None,
 ) -> None:
     try:
         import triton
@@ -202,68 +400,165 @@ def write_json(
         triton_version: str | None = triton.__version__
     except ImportError:
         triton_version = None
-    payload = {
+    counts = tally(results)
+    payload: dict[str, Any] = {
+        "schema": SCHEMA,
         "safemoe_version": safemoe.__version__,
         "torch_version": torch.__version__,
         "triton_version": triton_version,
         "python": platform.python_version(),
+        "command": " ".join(["safemoe", *sys.argv[1:]]),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "seed": args.seed,
         "quick": args.quick,
+        "scale": scale,
+        "sanitizer": args.sanitizer,
+        "families": families,
         "backends": {
             a.name: {
-                "available": a.available,
+                "kind": a.kind,
+                "description": a.description,
+                "state": a.state,
                 "reason": a.reason,
+                "chosen": a.name in chosen,
                 "ops": {op: asdict(s) for op, s in a.ops.items()},
+                "counts": {f: dict(counts[a.name][f]) for f in families} if a.name in counts else {},
             }
             for a in adapters
         },
-        "results": [asdict(r) for r in results],
-        "summary": {s: sum(r.status == s for r in results) for s in (PASSED, FAILED, NOT_BUILT, UNAVAILABLE)},
+        "summary": {"cases": len(results), **summary_counts(results), "seconds": round(seconds, 2)},
+        "results": [{**asdict(r), "family": r.family} for r in results],
     }
+    if sanitizer is not None:
+        payload["memcheck"] = {b: asdict(r) for b, r in sanitizer.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def summary_line(
+    results: list[CaseResult], seconds: float, chosen: list[str], not_installed: list[str]
+) -> str:
+    c = summary_counts(results)
+    line = (
+        f"check: {len(results)} cases, {c[PASSED]} passed, {c[FAILED]} failed, {c[CRASHED]} crashed, "
+        f"{c[NA]} n/a, {seconds:.0f} s"
+    )
+    mine = summary_counts([r for r in results if r.backend in chosen])
+    line += f"; chosen ({', '.join(chosen)}): {mine[FAILED]} failed, {mine[CRASHED]} crashed"
+    if not_installed:
+        line += f"; not installed: {', '.join(not_installed)}"
+    return line
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if not console.is_terminal:  # a log: room for the whole table (9 columns of counts)
+        console = Console(width=max(console.width, 132))
     errors = Console(stderr=True)
+    start = time.perf_counter()
+    try:
+        for plugin in args.plugin:
+            load_plugin(plugin)
+    except Exception as error:
+        errors.print(f"safemoe check: --plugin failed: {type(error).__name__}: {error}")
+        return 2
     cases = select_cases(_split(args.only))
+    try:
+        device = _device(args.device)
+    except ValueError as error:
+        errors.print(f"safemoe check: {error}")
+        return 2
+    scale = scale_of(args, device)
     if args.list:
         for case in cases:
-            console.print(f"{case.name:26} {escape(case.doc)}", highlight=False, soft_wrap=True)
+            count = len(case.grid(scale, device))
+            console.print(
+                f"{case.name:28} {count:5} cases  {escape(case.doc)}", highlight=False, soft_wrap=True
+            )
         return 0
     if not cases:
         errors.print(f"safemoe check: no check matches --only {args.only!r}; see safemoe check --list")
         return 2
-    names = list(ADAPTERS) if args.backend == "all" else _split(args.backend)
+    everything = list(adapters_module.BACKENDS)
+    chosen = _names(args.backend, everything)
+    peers = [n for n in _names(args.peers, everything) if n not in chosen]
+    sanitizer = None
+    if args.sanitizer:
+        if device.type != "cuda":
+            errors.print(
+                "safemoe check --sanitizer needs CUDA: compute-sanitizer checks CUDA kernels, and this "
+                "run is on the CPU"
+            )
+            return 2
+        sanitizer = sanitizer_command()
+        if sanitizer is None:
+            errors.print(
+                "safemoe check --sanitizer: compute-sanitizer not found on PATH or in /usr/local/cuda*/bin"
+            )
+            return 2
     try:
-        device = _device(args.device)
-        adapters = make_adapters(names, device)
+        adapters = make_adapters(chosen + peers, device)
     except ValueError as error:
         errors.print(f"safemoe check: {error}")
         return 2
-    scale = 0 if args.quick else (2 if device.type == "cuda" else 1)
+    config = WorkerConfig(device=str(device), seed=args.seed, scale=scale, plugins=list(args.plugin))
+    jobs, decided, _ = plan_jobs(
+        cases, adapters, device=device, scale=scale, only_case=args.case, sanitizer=sanitizer is not None
+    )
+    cuda = device.type == "cuda"
+    workers = args.jobs if args.jobs is not None else min(12 if cuda else 8, os.cpu_count() or 1)
+    if sanitizer is not None:
+        workers = max(1, workers)
+    timeout = args.timeout or (300.0 if cuda else 600.0) * (4 if sanitizer else 1)
+    options = PoolOptions(
+        workers=workers, timeout=timeout, sanitizer=sanitizer, max_crashes=args.max_crashes, probe_cuda=cuda
+    )
+    in_process = workers == 0 and sanitizer is None
     threads = torch.get_num_threads()
     try:
-        if device.type == "cpu":
-            # The shapes are tiny; on a busy small machine torch's spinning worker threads made
-            # the reference up to 50x slower (12 s instead of 0.2 s for one case on 2 cores).
-            torch.set_num_threads(1)
-        with warnings.catch_warnings():
-            # The Triton interpreter evaluates masked-out lanes too (exp of -FLT_MAX - FLT_MAX,
-            # ...) and numpy warns about it; the results are checked, the warnings are noise.
-            warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
-            results = run_checks(cases, adapters, seed=args.seed, scale=scale, console=errors)
+        if in_process:
+            with warnings.catch_warnings():
+                setup(config)
+                ran, memcheck = execute(jobs, config=config, options=options, in_process=True, console=errors)
+        else:
+            ran, memcheck = execute(jobs, config=config, options=options, in_process=False, console=errors)
     finally:
         torch.set_num_threads(threads)
-    for result in results:
-        if result.status == FAILED:
-            result.repro = repro_command(args, result.check, result.backend)
-    print_report(console, cases, adapters, results, args, device)
+    results = sorted(decided + ran, key=lambda r: (r.backend, r.check, r.case))
+    grids = {c.name: c for c in cases}
+    for r in results:
+        if r.status in (FAILED, CRASHED):
+            r.repro = repro_command(args, device, r.check, r.backend, r.case)
+        if not r.params:  # a crash recorded by the runner: name the parameters too
+            r.params = label(grids[r.check].grid(scale, device)[r.case])
+    seconds = time.perf_counter() - start
+    families = [f for f in FAMILIES if any(c.family == f for c in cases)]
+    names = [n for n in ("quick",) if args.quick] + (["memcheck"] if sanitizer else [])
+    title = f"safemoe check ({device}, seed {args.seed}{''.join(', ' + n for n in names)})"
+    print_report(console, adapters, chosen, results, families, title, memcheck if sanitizer else None)
     if args.json_path is not None:
-        write_json(args.json_path, results, adapters, args, device)
-        console.print(f"wrote {args.json_path}")
+        write_json(
+            args.json_path,
+            args=args,
+            device=device,
+            scale=scale,
+            adapters=adapters,
+            chosen=chosen,
+            results=results,
+            families=families,
+            seconds=seconds,
+            sanitizer=memcheck if sanitizer else None,
+        )
+        console.print(f"wrote {args.json_path}", highlight=False)
+    not_installed = [a.name for a in adapters if not a.installed]
+    console.print(summary_line(results, seconds, chosen, not_installed), highlight=False, soft_wrap=True)
     sys.stdout.flush()
-    return 1 if any(r.status == FAILED for r in results) else 0
+    mine = [r for r in results if r.backend in chosen]
+    bad_memcheck = sanitizer is not None and any(memcheck.get(b, SanitizerReport()).errors for b in chosen)
+    return 1 if bad_memcheck or any(r.status in (FAILED, CRASHED) for r in mine) else 0

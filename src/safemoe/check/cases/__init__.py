@@ -1,3 +1,11 @@
 """Every family of checks; importing this package registers their cases."""
 
-from safemoe.check.cases import experts, padding, routing, stale  # noqa: F401
+from safemoe.check.cases import (  # noqa: F401
+    boundaries,
+    buffers,
+    dispatch,
+    e2e,
+    graphs,
+    padding,
+    routing,
+)
