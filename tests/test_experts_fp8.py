@@ -132,10 +132,13 @@ def test_round_to_e4m3_matches_torch_cast_bitwise() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group", [128, 300])
-def test_quantize_rows_kernel_matches_reference_bitwise(dtype: torch.dtype, group: int) -> None:
+@pytest.mark.parametrize(("group", "max_one_chunk"), [(128, 16384), (300, 16384), (300, 64)])
+def test_quantize_rows_kernel_matches_reference_bitwise(dtype: torch.dtype, group: int, max_one_chunk: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Codes and scales equal the reference's bit for bit (NaN, +-Inf, all-zero, tiny and huge
-    rows included); rows at or past num_valid are neither read nor written."""
+    rows included); rows at or past num_valid are neither read nor written. max_one_chunk = 64:
+    groups longer than one load take the two-pass path (per-token groups past 16384 columns)."""
+    monkeypatch.setattr("safemoe.kernels.quant._MAX_ONE_CHUNK", max_one_chunk)
     gen = torch.Generator().manual_seed(group)
     rows, cols, valid = 37, 300, 30
     t = (torch.randn(rows, cols, generator=gen) * torch.logspace(-4, 4, rows)[:, None]).to(dtype)

@@ -60,19 +60,21 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def _group_stats(src_ptr, row_offsets, row_ok, start, end, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(amax over finite values, 1 if any value is NaN/Inf) of columns [start, end) per row."""
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
-    for c0 in range(start, end, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = row_ok[:, None] & (cols < end)[None, :]
-        v = tl.load(src_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        magnitude = tl.abs(v)
-        finite = magnitude <= _FLT_MAX  # False for NaN and +-Inf
-        amax = tl.maximum(amax, tl.max(tl.where(finite, magnitude, 0.0), axis=1))
-        bad = tl.maximum(bad, tl.max(tl.where(finite, 0, 1), axis=1))
+def _stats(v, amax, bad):
+    """Running (amax over finite values, 1 if any NaN/Inf) per row, updated with the tile v."""
+    magnitude = tl.abs(v)
+    finite = magnitude <= _FLT_MAX  # False for NaN and +-Inf
+    amax = tl.maximum(amax, tl.max(tl.where(finite, magnitude, 0.0), axis=1))
+    bad = tl.maximum(bad, tl.max(tl.where(finite, 0, 1), axis=1))
     return amax, bad
+
+
+@triton.jit
+def _codes(v, divisor, is_bad):
+    """fp32 e4m3 values of the tile v (rows divided by their scale); 0 in non-finite groups."""
+    q = tl.math.div_rn(tl.where(tl.abs(v) <= _FLT_MAX, v, 0.0), divisor)
+    q = round_to_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
+    return tl.where(is_bad[:, None], 0.0, q)
 
 
 @triton.jit
@@ -96,6 +98,7 @@ def _quantize_kernel(
     HAS_NUM_VALID_PTR: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # BLOCK_C >= group_len: a group is loaded once and kept in registers
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -103,32 +106,46 @@ def _quantize_kernel(
         limit = tl.maximum(tl.load(count_ptr) * block_m0, tl.load(count_ptr + 1) * block_m1)
     else:
         limit = _load_num_valid(count_ptr, count, num_rows, HAS_NUM_VALID_PTR)
-    for row_block in range(tl.program_id(0), tl.cdiv(limit, BLOCK_R), tl.num_programs(0)):
-        rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    # One work item = BLOCK_R rows x one group, so the groups of a row run in parallel (a program
+    # walking a row's 56 groups of 128 one after another took ~400 us at H = 7168, H200).
+    for item in range(tl.program_id(0), tl.cdiv(limit, BLOCK_R) * num_groups, tl.num_programs(0)):
+        group = item % num_groups
+        rows = (item // num_groups) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < limit
         if SORTED:
             slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=-1)
             row_ok = slots >= 0
         rows64 = rows.to(tl.int64)
         row_offsets = rows64 * row_len
-        for group in range(0, num_groups):
-            start = group * group_len
-            end = tl.minimum(start + group_len, row_len)
-            amax, bad = _group_stats(src_ptr, row_offsets, row_ok, start, end, BLOCK_R, BLOCK_C)
-            scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
-            is_bad = bad > 0
-            tl.store(scale_ptr + rows64 * num_groups + group, tl.where(is_bad, float("nan"), scale),
-                     mask=row_ok)
-            divisor = tl.broadcast_to(tl.where(is_bad, 1.0, scale)[:, None], (BLOCK_R, BLOCK_C))
+        start = group * group_len
+        end = tl.minimum(start + group_len, row_len)
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
+        if ONE_CHUNK:
+            cols = start + tl.arange(0, BLOCK_C)
+            mask = row_ok[:, None] & (cols < end)[None, :]
+            offsets = row_offsets[:, None] + cols[None, :]
+            v = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            amax, bad = _stats(v, amax, bad)
+        else:
+            for c0 in range(start, end, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                mask = row_ok[:, None] & (cols < end)[None, :]
+                v = tl.load(src_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0)
+                amax, bad = _stats(v.to(tl.float32), amax, bad)
+        scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+        is_bad = bad > 0
+        tl.store(scale_ptr + rows64 * num_groups + group, tl.where(is_bad, float("nan"), scale), mask=row_ok)
+        divisor = tl.broadcast_to(tl.where(is_bad, 1.0, scale)[:, None], (BLOCK_R, BLOCK_C))
+        if ONE_CHUNK:
+            tl.store(q_ptr + offsets, _codes(v, divisor, is_bad).to(q_ptr.dtype.element_ty), mask=mask)
+        else:
             for c0 in range(start, end, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 mask = row_ok[:, None] & (cols < end)[None, :]
                 offsets = row_offsets[:, None] + cols[None, :]
                 v = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-                q = tl.math.div_rn(tl.where(tl.abs(v) <= _FLT_MAX, v, 0.0), divisor)
-                q = round_to_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
-                q = tl.where(is_bad[:, None], 0.0, q)
-                tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
+                tl.store(q_ptr + offsets, _codes(v, divisor, is_bad).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=8)
@@ -136,36 +153,44 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _tiles(row_len: int, group_len: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps): 128-column chunks for 1x128 groups, up to 1024 for a
-    per-token group; ~4096 elements a program (two passes over them: amax, then quantise)."""
-    block_c = min(triton.next_power_of_2(min(group_len, row_len)), 1024)
-    block_c = max(block_c, 16)
-    block_r = max(1, min(32, 4096 // block_c))
-    return block_r, block_c, 4
+# Longest group quantised from registers in one load (fp32: 64 values a thread at 8 warps); a
+# longer one (a per-token group past 16384 columns) takes two passes over 1024-column chunks.
+_MAX_ONE_CHUNK = 16384
 
 
-def _grid(max_rows: int, block_r: int, device: torch.device) -> tuple[int]:
-    blocks = max(1, triton.cdiv(max_rows, block_r))
+def _tiles(group_len: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_R, BLOCK_C, ONE_CHUNK, num_warps): a whole group per load where it fits (1x128
+    groups: 16 rows x 128; a per-token row: max(1, 2048 // H) rows), ~8 values a thread (16 at
+    H > 4096): the IEEE divisions take registers (sm_90 ptxas: 64 registers at 8 values a thread,
+    236 at 32)."""
+    block_c = max(16, triton.next_power_of_2(group_len))
+    if block_c > _MAX_ONE_CHUNK:
+        return 4, min(1024, _MAX_ONE_CHUNK), False, 4
+    block_r = max(1, min(32, 2048 // block_c))
+    return block_r, block_c, True, min(16, max(4, block_r * block_c // 256))
+
+
+def _grid(items: int, device: torch.device) -> tuple[int]:
     if device.type != "cuda":
-        return (min(blocks, 8),)
-    return (min(blocks, _num_sms(device.index or 0) * 8),)
+        return (max(1, min(items, 8)),)
+    return (max(1, min(items, _num_sms(device.index or 0) * 8)),)
 
 
 def quantize_rows_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_len: int,
                        num_valid: NumValid, *, use_pdl: bool = False) -> None:
     """Quantise rows < num_valid of src [T, C] into q [T, C] fp8 and scale [T, ceil(C/group_len)]."""
     num_rows, row_len = src.shape
-    block_r, block_c, num_warps = _tiles(row_len, group_len)
+    group_len = min(group_len, row_len)
+    block_r, block_c, one_chunk, num_warps = _tiles(group_len)
     has_nv_ptr = num_valid.tensor is not None
-    # grid: persistent programs over blocks of BLOCK_R rows, up to the rows below num_valid
-    _quantize_kernel[_grid(num_rows, block_r, src.device)](
+    # grid: persistent programs over (BLOCK_R rows, one group) items, up to the rows below num_valid
+    _quantize_kernel[_grid(triton.cdiv(num_rows, block_r) * scale.shape[1], src.device)](
         src, src, num_valid.tensor if has_nv_ptr else src,
         q, scale,
         num_valid.count if num_valid.count is not None else num_rows, num_rows, row_len, group_len,
         scale.shape[1], 0, 0,
-        SORTED=False, HAS_NUM_VALID_PTR=has_nv_ptr, BLOCK_R=block_r, BLOCK_C=block_c, USE_PDL=use_pdl,
-        num_warps=num_warps, **launch_options(use_pdl),
+        SORTED=False, HAS_NUM_VALID_PTR=has_nv_ptr, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=one_chunk,
+        USE_PDL=use_pdl, num_warps=num_warps, **launch_options(use_pdl),
     )
 
 
@@ -176,12 +201,13 @@ def quantize_positions_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     of either dispatch layout (block_m1 = 0: one layout), into q and scale; `max_positions` bounds
     the positions any call with these shapes can use (it sizes the grid)."""
     row_len = src.shape[1]
-    block_r, block_c, num_warps = _tiles(row_len, group_len)
-    # grid: persistent programs over blocks of BLOCK_R positions, up to the used M-blocks
-    _quantize_kernel[_grid(max_positions, block_r, src.device)](
+    group_len = min(group_len, row_len)
+    block_r, block_c, one_chunk, num_warps = _tiles(group_len)
+    # grid: persistent programs over (BLOCK_R positions, one group) items, up to the used M-blocks
+    _quantize_kernel[_grid(triton.cdiv(max_positions, block_r) * scale.shape[1], src.device)](
         src, sorted_slots, num_blocks,
         q, scale,
         0, src.shape[0], row_len, group_len, scale.shape[1], block_m0, block_m1,
-        SORTED=True, HAS_NUM_VALID_PTR=False, BLOCK_R=block_r, BLOCK_C=block_c, USE_PDL=use_pdl,
-        num_warps=num_warps, **launch_options(use_pdl),
+        SORTED=True, HAS_NUM_VALID_PTR=False, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=one_chunk,
+        USE_PDL=use_pdl, num_warps=num_warps, **launch_options(use_pdl),
     )
