@@ -156,24 +156,24 @@ def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
 
 def heuristic_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                          quant: str) -> ExpertsConfig:
-    """Tiles for fp8 weights (untuned; chosen from the bf16 tuning's byte counts, H100/H200).
+    """Tiles for fp8 weights (untuned; from the bf16 tuning's byte counts and one H200 run).
 
-    Decode streams half the bytes per element, so a K step of 256 fp8 elements moves what 128 bf16
-    elements did (the bf16 winners' width); block mode caps BLOCK_K at 128 (one scale group per
-    step) and adds pipeline stages instead. Prefill: 128-row M-blocks, 128-wide K steps (128
-    bytes, like bf16's 64), 8 warps; GEMM1's BLOCK_N is 64 in block mode, because each K step's
-    partial product is scaled before it is added (a second accumulator's worth of registers
-    next to the gate and up accumulators).
+    Decode: 128-wide K steps (128 bytes a weight row) with 6 pipeline stages in both modes (block
+    mode cannot step wider than its 128-wide scale groups). In the H200 run of 2026-11-21 block
+    mode with these tiles beat per-tensor's then 256-wide, 4-stage tiles on DeepSeek-V3 at T = 64
+    and 256 (2595 vs 2742 us, 3056 vs 3250 us) although its quantisation launches of that run cost
+    far more (407 us measured alone at T = 8), so per-tensor uses them too (not re-measured). Prefill:
+    128-row M-blocks, 128-wide K steps (128 bytes, like bf16's 64), 8 warps; GEMM1's BLOCK_N is
+    64 in block mode, because each K step's partial product is scaled before it is added (a second
+    accumulator's worth of registers next to the gate and up accumulators).
     """
     rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
     block = quant == "block"
-    wide_k = 128 if block else 256
     if rows_per_expert <= 16:
-        stages = 6 if block else 4
         return ExpertsConfig(
             block_m=16,
-            gemm1=GemmTiles(block_n=32, block_k=wide_k, group_m=1, num_warps=4, num_stages=stages),
-            gemm2=GemmTiles(block_n=64, block_k=wide_k, group_m=1, num_warps=4, num_stages=stages),
+            gemm1=GemmTiles(block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=6),
+            gemm2=GemmTiles(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=6),
             pdl=True,
         )
     if rows_per_expert <= 96:
