@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from safemoe.bench.experts import _error_note, _timing_args
+from safemoe.bench.experts import N_VARIANTS, _error_note, _Inputs, _timing_args
 from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
@@ -65,7 +65,6 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_TOKENS = (8, 64, 256, 16384)
 QUANTIZE_TOKENS = (8, 16384)
 MODES = ("block", "per_tensor")
-N_VARIANTS = 4
 PREFILL_TARGET = 1.6  # issue 7: fp8 >= 1.6 x the bf16 kernel at T = 16384
 DECODE_TARGET_PCT = 85.0  # issue 7: >= 85% of the fp8 read floor for T = 8..256
 
@@ -84,26 +83,6 @@ def fp8_floor_us(
     peak = ceilings.fp8_tflops or 2 * ceilings.bf16_tflops
     compute = flops_floor_us(moe_flops(num_tokens, top_k, hidden, inter), peak)
     return (read, "read") if read >= compute else (compute, "flops")
-
-
-class _Inputs:
-    def __init__(
-        self, shape: tuple[int, int, int, int, str], num_tokens: int, device: torch.device, seed: int
-    ) -> None:
-        num_experts, top_k, hidden, _, _ = shape
-        gen = torch.Generator(device=device).manual_seed(seed)
-        self.xs = [
-            torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-            for _ in range(N_VARIANTS)
-        ]
-        self.weights: list[torch.Tensor] = []
-        self.ids: list[torch.Tensor] = []
-        for _ in range(N_VARIANTS):
-            logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
-            top = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-            self.weights.append((top.values / top.values.sum(-1, keepdim=True)).contiguous())
-            self.ids.append(top.indices.to(torch.int32).contiguous())
-        self.outs = [torch.empty_like(x) for x in self.xs]
 
 
 class _Weights:
@@ -241,6 +220,7 @@ def _case_rows(
     num_experts, top_k, hidden, inter, activation = shape
     device = weights.w13.device
     inputs = _Inputs(shape, num_tokens, device, seed=num_tokens)
+    outs = [torch.empty_like(x) for x in inputs.xs]
     workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device, fp8=True)
     nv = NumValid(None, torch.tensor(num_tokens, device=device, dtype=torch.int32))
     rows: list[BenchRow] = []
@@ -276,7 +256,7 @@ def _case_rows(
             num_valid=nv,
             health=None,
             workspace=workspace,
-            out=inputs.outs[j],
+            out=outs[j],
             fp8=fp8,
         )
 
@@ -353,7 +333,7 @@ def _quantize_row(
         num_valid=nv,
         health=None,
         workspace=workspace,
-        out=inputs.outs[0],
+        out=torch.empty_like(inputs.xs[0]),
         fp8=fp8,
     )
     cfg = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, w13.device, "block")
