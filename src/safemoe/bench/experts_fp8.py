@@ -8,7 +8,8 @@ Implementations, each `experts` only (dispatch + GEMMs + combine, with the activ
 quantisation kernels for fp8):
 - `safemoe-fp8-block`: DeepSeek-V3 128x128 weight blocks, 1x128 activation groups;
 - `safemoe-fp8-per_tensor`: one scale per expert matrix, per-token activation scales;
-- `safemoe-bf16`: the bf16 kernels on the same (dequantised) weights: `x_vs_bf16` on fp8 rows;
+- `safemoe-bf16`: the bf16 kernels on the bf16 weights the fp8 ones were quantised from
+  (`x_vs_bf16` on the fp8 rows; quick runs time it at T = 16384 only, the issue's comparison);
 - `torch-scaled_grouped_mm`: per-tensor weights with rowwise activation scales through
   `torch._scaled_grouped_mm` (the mode it supports; our own torch code around it: sort, per-row
   quantisation, activation, weighted scatter-add), fast accumulation;
