@@ -12,6 +12,7 @@ from safemoe.health import HEALTH_SLOTS, Health, new_health_tensor  # noqa: E402
 from safemoe.layer import moe  # noqa: E402
 from safemoe.module import MoE  # noqa: E402
 from safemoe.padding import zero_padding_  # noqa: E402
+from safemoe.quant import dequantize_experts, quantize_experts  # noqa: E402
 from safemoe.routing import Routing, route  # noqa: E402
 from safemoe.workspace import Workspace, workspace_bytes  # noqa: E402
 
@@ -25,9 +26,11 @@ __all__ = [
     "Routing",
     "Workspace",
     "__version__",
+    "dequantize_experts",
     "experts",
     "moe",
     "new_health_tensor",
+    "quantize_experts",
     "route",
     "workspace_bytes",
     "zero_padding_",
