@@ -349,3 +349,12 @@ def test_graph_checks_replay_eagerly_off_cuda() -> None:
     ctx = CaseContext(api=leaky, device=cpu, seed=0, scale=0, case_name="graphs.route")
     with pytest.raises(AssertionError, match="padded row"):
         route_graph(ctx, **case.grid(0, cpu)[0])
+
+
+def test_max_time_reports_cases_not_run(tmp_path: Path) -> None:
+    code, out, report = run_check(
+        tmp_path, "--quick", "--only", "routing", "--peers", "none", "--max-time", "0"
+    )
+    assert code == 1
+    assert report["summary"]["not_run"] > 0 and report["summary"]["cases"] == 0
+    assert "cases not run (--max-time 0 s)" in out.rstrip().splitlines()[-1]

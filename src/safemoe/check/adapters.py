@@ -70,6 +70,9 @@ class Adapter:
     counts_health: bool = True  # accepts `health=` and counts into it
     uses_workspace: bool = True  # accepts `workspace=` and uses it (not just ignores it)
     out_buffers: bool = False  # has route_into / experts_into writing caller buffers
+    # Output tolerance vs the reference, as a multiple of the dtype's (see invariants): peers
+    # round gate/up, the activation and the product to the input dtype, the reference once.
+    tolerance_scale: float = 1.0
     module_backend: str | None = None  # backend= for safemoe.MoE / the transformers patch
     graph_ops: tuple[str, ...] = ("route", "experts", "moe")  # ops to try under CUDA-graph capture
     hf_implementation: str | None = None  # transformers experts_implementation it stands for
@@ -346,6 +349,7 @@ def _peer(name: str, device: torch.device, description: str, **fields: Any) -> P
         native_num_valid=False,
         exact_ties=False,
         ordered_ids=False,
+        tolerance_scale=4.0,
         counts_health=False,
         uses_workspace=False,
     )

@@ -149,12 +149,18 @@ def group_config(num_experts: int, top_k: int) -> tuple[int, int]:
     return n_group, topk_group
 
 
+# The router unrolls one max-then-mask pass per k: K = E = 512 would be a compile of minutes, so
+# `all` means every expert up to E = 64 and 16 of them beyond (no model routes to more).
+MAX_ALL_K = 64
+
+
 def top_k_for(num_experts: int, kind: str = "typical") -> int:
-    """K for E: `typical` (8 for big E as in Qwen3/DeepSeek, 2 for Mixtral-sized), `one`, `all`."""
+    """K for E: `typical` (8 for big E as in Qwen3/DeepSeek, 2 for Mixtral-sized), `one`, `all`
+    (K = E up to E = MAX_ALL_K, else 16)."""
     if kind == "one":
         return 1
     if kind == "all":
-        return num_experts
+        return num_experts if num_experts <= MAX_ALL_K else 16
     return max(1, min(8, num_experts // 3))
 
 

@@ -199,14 +199,18 @@ OUTPUT_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), t
 
 
 def expect_close(
-    actual: torch.Tensor, expected: torch.Tensor, what: str, rows: torch.Tensor | None = None
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    what: str,
+    rows: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> None:
-    """Within the dtype's tolerance; only the `rows` ([T] bool) when given."""
+    """Within the dtype's tolerance (times `scale`); only the `rows` ([T] bool) when given."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise CheckFailure(
             f"{what}: {tuple(actual.shape)} {actual.dtype} vs {tuple(expected.shape)} {expected.dtype}"
         )
-    atol, rtol = OUTPUT_TOLERANCES[expected.dtype]
+    atol, rtol = (scale * t for t in OUTPUT_TOLERANCES[expected.dtype])
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
     bad = ~((a - e).abs() <= atol + rtol * e.abs())  # NaN never passes
     if rows is not None:

@@ -69,6 +69,7 @@ class PoolOptions:
     sanitizer: list[str] | None = None  # command prefix running each job's worker
     max_crashes: int = 3
     probe_cuda: bool = False
+    deadline: float | None = None  # time.monotonic() after which no case starts (--max-time)
 
 
 @dataclass
@@ -148,9 +149,12 @@ class _Worker:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
 
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+    def kill(self, live: set[_Worker] | None = None) -> None:
+        if live is not None:
+            live.discard(self)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
 
@@ -182,6 +186,8 @@ class Pool:
         self._crashes: collections.Counter[tuple[str, str]] = collections.Counter()
         self._probe_lock = threading.Lock()
         self.device_failure: str | None = None
+        self._live: set[_Worker] = set()  # killed if the run is interrupted
+        self._stopped = False
         self.sanitizer: dict[str, SanitizerReport] = collections.defaultdict(SanitizerReport)
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -196,10 +202,17 @@ class Pool:
             self._next_id += 1
             return Job(self._next_id, backend, items, env)
 
+    def _past_deadline(self) -> bool:
+        if self._stopped:
+            return True
+        return self.options.deadline is not None and time.monotonic() > self.options.deadline
+
     def _take(self) -> Job | None:
         with self._cond:
-            while not self._queue and self._pending > 0:
+            while not self._queue and self._pending > 0 and not self._past_deadline():
                 self._cond.wait(0.5)
+            if self._past_deadline():
+                return None  # out of time: what is left is not run (the runner counts it)
             return self._queue.popleft() if self._queue else None
 
     def _crashed(self, job: Job, item: Item, message: str) -> None:
@@ -218,16 +231,25 @@ class Pool:
         threads = [
             threading.Thread(target=self._manage, daemon=True) for _ in range(max(1, self.options.workers))
         ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:  # Ctrl-C: workers live in their own sessions, so take them down here
+            with self._cond:
+                self._queue.clear()
+                self._stopped = True
+            for worker in list(self._live):
+                worker.kill()
 
     def _spawn(self, job: Job) -> _Worker:
         command = worker_command(self.config)
         if self.options.sanitizer:
             command = [*self.options.sanitizer, *command]
-        return _Worker(command, worker_env(job.env))
+        worker = _Worker(command, worker_env(job.env))
+        self._live.add(worker)
+        return worker
 
     def _manage(self) -> None:
         worker: _Worker | None = None
@@ -258,7 +280,7 @@ class Pool:
             key = tuple(sorted(job.env.items()))
             if worker is not None and (self.options.sanitizer or key != worker_env_key):
                 worker.close_stdin()
-                worker.kill()
+                worker.kill(self._live)
                 worker = None
             if worker is None:
                 worker, worker_env_key = self._spawn(job), key
@@ -267,11 +289,11 @@ class Pool:
                 if self.options.sanitizer and healthy:
                     worker.close_stdin()
                     self._drain_sanitizer(worker, job)
-                worker.kill()
+                worker.kill(self._live)
                 worker = None
         if worker is not None:
             worker.close_stdin()
-            worker.kill()
+            worker.kill(self._live)
 
     def _follow(self, worker: _Worker, job: Job) -> bool:
         """Send `job` and read its events. True when the worker finished it and can take more."""
@@ -289,9 +311,15 @@ class Pool:
         started = worker.proc.poll() is None and worker.send(job.to_json())
         deadline = time.monotonic() + self.options.startup_timeout + self.options.timeout
         while started:
+            if self._past_deadline():
+                worker.kill()  # out of time: the case in flight and the rest are not run
+                return False
             try:
-                item = worker.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                wait = min(5.0, max(0.0, deadline - time.monotonic()))
+                item = worker.lines.get(timeout=wait)
             except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
                 worker.kill()
                 why = f"timed out: no progress in {self.options.timeout:.0f} s"
                 return self._lost(job, remaining, state["in_flight"], why)
@@ -314,6 +342,8 @@ class Pool:
                     more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
                     result.status, result.message = FAILED, f"memcheck: {found[0]}{more}"
                 self._record(result)
+                if result.status == CRASHED:  # the worker found its context poisoned after the case
+                    self._crashes[(result.check, job.backend)] += 1
                 with contextlib.suppress(ValueError):
                     remaining.remove((result.check, result.case))
                 state["in_flight"] = None
@@ -331,6 +361,8 @@ class Pool:
     def _lost(self, job: Job, remaining: list[Item], in_flight: Item | None, why: str) -> bool:
         """The worker crashed or hung: the case in flight (or the first, if none started) is
         CRASHED; probe the device; requeue the rest, except cases of a check that crashed too often."""
+        if in_flight is None and not remaining:
+            return False  # every case has its result; the worker just did not say done
         item = in_flight if in_flight is not None else remaining[0]
         self._crashed(job, item, why)
         rest = [i for i in remaining if i != item]
@@ -422,6 +454,7 @@ def run_in_process(
     jobs: list[Job],
     run_job: Callable[[dict[str, Any], Callable[[dict[str, Any]], None]], bool],
     on_result: Callable[[CaseResult], None],
+    deadline: float | None = None,
 ) -> None:
     """The same jobs without isolation (--jobs 0): a crash ends the run, but tracebacks are yours."""
 
@@ -430,6 +463,8 @@ def run_in_process(
             on_result(CaseResult(**event["result"]))
 
     for job in jobs:
+        if deadline is not None and time.monotonic() > deadline:
+            return
         payload = json.loads(job.to_json())
         if not run_job(payload, emit):
             return

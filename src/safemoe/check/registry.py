@@ -217,6 +217,15 @@ class CaseContext:
     def not_applicable(self, reason: str) -> None:
         raise NotApplicable(reason)
 
+    def close(
+        self, actual: torch.Tensor, expected: torch.Tensor, what: str, rows: torch.Tensor | None = None
+    ) -> None:
+        """`invariants.expect_close` with the backend's tolerance scale (a peer that rounds every
+        intermediate to the input dtype gets a wider one than safemoe's kernels)."""
+        from safemoe.check.invariants import expect_close
+
+        expect_close(actual, expected, what, rows, scale=getattr(self.api, "tolerance_scale", 1.0))
+
     def rand_rows(self, count: int, width: int) -> torch.Tensor:
         return torch.randn(count, width, generator=self.generator)
 

@@ -47,6 +47,11 @@ SCHEMA = "safemoe-check/2"
 # Examples printed per (backend, check) with failures: all a chosen backend has (up to this), one
 # for a peer (everything is in --json).
 CHOSEN_EXAMPLES, PEER_EXAMPLES = 5, 1
+# Cases per job: small chunks spread the Triton compiles over the workers; under the sanitizer a
+# process costs seconds to start, so more per job.
+JOB_CASES = {"cpu": 12, "cpu_triton": 6, "cuda": 40}
+SANITIZER_JOB = 60
+PROGRESS_LINE_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(safemoe.check.adapters.register_backend) and checks (safemoe.check.registry.case)",
     )
     parser.add_argument("--max-crashes", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--max-time",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no case after this long; cases left are reported as not run and the exit status is 1",
+    )
     parser.add_argument(
         "--json",
         type=Path,
@@ -195,7 +207,7 @@ def plan_jobs(
 ) -> tuple[list[Job], list[CaseResult], dict[str, int]]:
     """(jobs to run, results decided without running, case count per check). Jobs hold cases of
     one backend: chunks of a check (small chunks spread the slow Triton compiles over the
-    workers); under the sanitizer one job per (backend, family), so each process's error summary
+    workers); under the sanitizer jobs of one (backend, family), so each process's error summary
     belongs to one backend."""
     jobs: list[Job] = []
     decided: list[CaseResult] = []
@@ -220,12 +232,18 @@ def plan_jobs(
             if sanitizer:
                 by_family[case.family] += items
                 continue
-            size = (6 if adapter.name == "triton" else 12) if device.type == "cpu" else 40
+            if device.type == "cuda":
+                size = JOB_CASES["cuda"]
+            else:
+                size = JOB_CASES["cpu_triton" if adapter.name == "triton" else "cpu"]
             jobs += [Job(0, adapter.name, items[k : k + size]) for k in range(0, len(items), size)]
         for family, items in by_family.items():
             # CUDA graphs need the caching allocator to capture at all; memcheck then sees less.
             env = {} if family == "graphs" else {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
-            jobs.append(Job(0, adapter.name, items, env))
+            jobs += [
+                Job(0, adapter.name, items[k : k + SANITIZER_JOB], env)
+                for k in range(0, len(items), SANITIZER_JOB)
+            ]
     # The slow backend first (Triton compiles, or its interpreter on CPU), then the rest.
     jobs.sort(key=lambda j: j.backend != "triton")
     for number, job in enumerate(jobs, start=1):
@@ -255,15 +273,21 @@ def execute(
 ) -> tuple[list[CaseResult], dict[str, SanitizerReport]]:
     results: list[CaseResult] = []
     total = sum(len(j.items) for j in jobs)
+    start = last_line = time.monotonic()
     with _progress(console) as progress:
         task = progress.add_task("checking", total=total)
 
         def on_result(result: CaseResult) -> None:
+            nonlocal last_line
             results.append(result)
             progress.update(task, advance=1, description=f"{result.backend}: {result.check}")
+            now = time.monotonic()
+            if not console.is_terminal and now - last_line > PROGRESS_LINE_S:  # a log: a line now and then
+                last_line = now
+                console.print(f"checking: {len(results)}/{total} cases, {now - start:.0f} s", highlight=False)
 
         if in_process:
-            run_in_process(jobs, Runner(config).run_job, on_result)
+            run_in_process(jobs, Runner(config).run_job, on_result, options.deadline)
             return results, {}
         pool = Pool(config, options, on_result)
         pool.run(jobs)
@@ -392,6 +416,7 @@ def write_json(
     results: list[CaseResult],
     families: list[str],
     seconds: float,
+    not_run: int,
     sanitizer: dict[str, SanitizerReport] | None,
 ) -> None:
     try:
@@ -427,7 +452,12 @@ def write_json(
             }
             for a in adapters
         },
-        "summary": {"cases": len(results), **summary_counts(results), "seconds": round(seconds, 2)},
+        "summary": {
+            "cases": len(results),
+            **summary_counts(results),
+            "not_run": not_run,
+            "seconds": round(seconds, 2),
+        },
         "results": [{**asdict(r), "family": r.family} for r in results],
     }
     if sanitizer is not None:
@@ -476,11 +506,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     scale = scale_of(args, device)
     if args.list:
+        total = 0
         for case in cases:
             count = len(case.grid(scale, device))
+            total += count
             console.print(
                 f"{case.name:28} {count:5} cases  {escape(case.doc)}", highlight=False, soft_wrap=True
             )
+        console.print(f"{len(cases)} checks, {total} cases per backend on {device.type}", highlight=False)
         return 0
     if not cases:
         errors.print(f"safemoe check: no check matches --only {args.only!r}; see safemoe check --list")
@@ -516,8 +549,14 @@ def run(args: argparse.Namespace) -> int:
     if sanitizer is not None:
         workers = max(1, workers)
     timeout = args.timeout or (300.0 if cuda else 600.0) * (4 if sanitizer else 1)
+    deadline = None if args.max_time is None else time.monotonic() + args.max_time
     options = PoolOptions(
-        workers=workers, timeout=timeout, sanitizer=sanitizer, max_crashes=args.max_crashes, probe_cuda=cuda
+        workers=workers,
+        timeout=timeout,
+        sanitizer=sanitizer,
+        max_crashes=args.max_crashes,
+        probe_cuda=cuda,
+        deadline=deadline,
     )
     in_process = workers == 0 and sanitizer is None
     threads = torch.get_num_threads()
@@ -530,6 +569,7 @@ def run(args: argparse.Namespace) -> int:
             ran, memcheck = execute(jobs, config=config, options=options, in_process=False, console=errors)
     finally:
         torch.set_num_threads(threads)
+    not_run = sum(len(j.items) for j in jobs) - len(ran)
     results = sorted(decided + ran, key=lambda r: (r.backend, r.check, r.case))
     grids = {c.name: c for c in cases}
     for r in results:
@@ -553,12 +593,16 @@ def run(args: argparse.Namespace) -> int:
             results=results,
             families=families,
             seconds=seconds,
+            not_run=not_run,
             sanitizer=memcheck if sanitizer else None,
         )
         console.print(f"wrote {args.json_path}", highlight=False)
     not_installed = [a.name for a in adapters if not a.installed]
-    console.print(summary_line(results, seconds, chosen, not_installed), highlight=False, soft_wrap=True)
+    line = summary_line(results, seconds, chosen, not_installed)
+    if not_run:
+        line += f"; {not_run} cases not run (--max-time {args.max_time:.0f} s)"
+    console.print(line, highlight=False, soft_wrap=True)
     sys.stdout.flush()
     mine = [r for r in results if r.backend in chosen]
     bad_memcheck = sanitizer is not None and any(memcheck.get(b, SanitizerReport()).errors for b in chosen)
-    return 1 if bad_memcheck or any(r.status in (FAILED, CRASHED) for r in mine) else 0
+    return 1 if not_run or bad_memcheck or any(r.status in (FAILED, CRASHED) for r in mine) else 0

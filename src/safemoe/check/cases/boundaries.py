@@ -20,7 +20,6 @@ from safemoe.check.cases.common import (
 from safemoe.check.inputs import tokens, top_k_for
 from safemoe.check.invariants import (
     clear_rows,
-    expect_close,
     expect_finite,
     expect_route_matches_reference,
     expect_routing_contract,
@@ -118,7 +117,7 @@ def experts_boundaries(ctx: CaseContext, **p: Any) -> None:
     )
     expect_finite(out, n, f"experts at T={num_rows}")
     expect_padding_zeros(ctx, out, n, f"experts at T={num_rows}")
-    expect_close(out[:n], expected[:n], f"experts at T={num_rows} vs reference")
+    ctx.close(out[:n], expected[:n], f"experts at T={num_rows} vs reference")
 
 
 @case("boundaries.moe", ops=("moe",), params=_params)
@@ -140,4 +139,4 @@ def moe_boundaries(ctx: CaseContext, **p: Any) -> None:
     # rows have exact ties, ordered differently by a backend without the tie rule) may pick
     # another expert correctly: compared where the choice is clear.
     clear, _ = clear_rows(logits[:n], prob["K"], {}, ctx.api.exact_ties)
-    expect_close(out[:n], expected[:n], f"moe at T={num_rows} vs reference", rows=clear)
+    ctx.close(out[:n], expected[:n], f"moe at T={num_rows} vs reference", rows=clear)

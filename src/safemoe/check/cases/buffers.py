@@ -35,7 +35,6 @@ from safemoe.check.inputs import (
 )
 from safemoe.check.invariants import (
     expect_bitwise,
-    expect_close,
     expect_finite,
     expect_routing_contract,
 )
@@ -214,7 +213,7 @@ def allocator_experts(ctx: CaseContext, **p: Any) -> None:
         x, prob["w13"], prob["w2"], routing.weights, routing.ids, num_valid=NumValid(n, None)
     )
     expect_finite(out, n, "experts on poisoned memory")
-    expect_close(out[:n], expected[:n], "experts on poisoned memory vs reference")
+    ctx.close(out[:n], expected[:n], "experts on poisoned memory vs reference")
 
 
 @case("buffers.allocator_moe", ops=("moe",), params=_allocator_params)
@@ -228,4 +227,4 @@ def allocator_moe(ctx: CaseContext, **p: Any) -> None:
     expect_padding_zeros(ctx, out, n, "moe on poisoned memory")
     expected = moe_reference(x, logits, prob["w13"], prob["w2"], prob["K"], num_valid=NumValid(n, None))
     expect_finite(out, n, "moe on poisoned memory")
-    expect_close(out[:n], expected[:n], "moe on poisoned memory vs reference")
+    ctx.close(out[:n], expected[:n], "moe on poisoned memory vs reference")

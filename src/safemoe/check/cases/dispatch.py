@@ -21,7 +21,7 @@ from safemoe.check.cases.common import (
     num_valid_arg,
 )
 from safemoe.check.inputs import BAD_IDS, random_weights, router_rows, tokens, top_k_for
-from safemoe.check.invariants import expect_close, expect_finite
+from safemoe.check.invariants import expect_finite
 from safemoe.check.registry import CaseContext, CheckFailure, Plan, case
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
 from safemoe.reference import experts_reference, route_reference, valid_slot_mask
@@ -60,7 +60,7 @@ def _run_and_compare(
     )
     expect_finite(out, n, what)
     expect_padding_zeros(ctx, out, n, what)
-    expect_close(out[:n], expected[:n], f"{what} vs reference")
+    ctx.close(out[:n], expected[:n], f"{what} vs reference")
     return out
 
 
@@ -122,7 +122,7 @@ def duplicates(ctx: CaseContext, **p: Any) -> None:
     merged = ctx.api.experts(
         x, prob["w13"], prob["w2"], Routing(base_weights.to(ctx.device), base.contiguous().to(ctx.device))
     )
-    expect_close(dup, merged, f"{copies} duplicate slots of weight w/{copies} vs one slot of weight w")
+    ctx.close(dup, merged, f"{copies} duplicate slots of weight w/{copies} vs one slot of weight w")
 
 
 def _empty_params(plan: Plan) -> list[dict[str, Any]]:

@@ -36,7 +36,6 @@ from safemoe.check.inputs import (
 )
 from safemoe.check.invariants import (
     expect_bitwise,
-    expect_close,
     expect_finite,
     expect_routing_contract,
 )
@@ -119,11 +118,11 @@ def _isolation(
     expect_finite(unpadded, n, f"{what} unpadded")
     expect_padding_zeros(ctx, padded, n, what)
     expect_finite(padded, n, what)
-    expect_close(padded[:n], unpadded, f"{what}: real rows vs unpadded")
+    ctx.close(padded[:n], unpadded, f"{what}: real rows vs unpadded")
     if ctx.api.native_num_valid:
         expect_bitwise(padded[:n], clean[:n], f"{what}: real rows vs a clean (zero) padding at the same T")
     else:
-        expect_close(padded[:n], clean[:n], f"{what}: real rows vs a clean (zero) padding at the same T")
+        ctx.close(padded[:n], clean[:n], f"{what}: real rows vs a clean (zero) padding at the same T")
 
 
 def _experts_params(plan: Plan) -> list[dict[str, Any]]:
@@ -242,7 +241,7 @@ def num_valid_counts(ctx: CaseContext, **p: Any) -> None:
     out = ctx.api.experts(x, prob["w13"], prob["w2"], full_routing, num_valid=nv)
     expect_padding_zeros(ctx, out, count, "experts")
     # Close, not bitwise: fewer valid rows change the GEMM shapes, even in the reference.
-    expect_close(out[:count], full_out[:count], "experts valid rows vs all rows valid")
+    ctx.close(out[:count], full_out[:count], "experts valid rows vs all rows valid")
     moe_out = ctx.api.moe(x, logits, prob["w13"], prob["w2"], prob["K"], num_valid=nv)
     expect_padding_zeros(ctx, moe_out, count, "moe")
-    expect_close(moe_out[:count], full_out[:count], "moe valid rows vs route + experts")
+    ctx.close(moe_out[:count], full_out[:count], "moe valid rows vs route + experts")
