@@ -81,7 +81,9 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 )
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_zero_padding_triton_kernel(shape, count, as_tensor):
-    t = torch.randn(shape, dtype=torch.float16, device=KERNEL_DEVICE)
+    # Drawn on the CPU: a CUDA generator left mid-capture by another test in this worker must not
+    # fail a test of zero_padding_.
+    t = torch.randn(shape, dtype=torch.float16).to(KERNEL_DEVICE)
     nv = torch.tensor(count, dtype=torch.int32, device=KERNEL_DEVICE) if as_tensor else count
     out = t.clone()
     _zero_padding_triton(out, check_num_valid(nv, t.shape[0], t.device))
@@ -89,7 +91,7 @@ def test_zero_padding_triton_kernel(shape, count, as_tensor):
 
 
 def test_zero_padding_triton_kernel_row_stride_and_clamp():
-    base = torch.randn(7, 12, device=KERNEL_DEVICE)
+    base = torch.randn(7, 12).to(KERNEL_DEVICE)
     out = base.clone()
     _zero_padding_triton(out[:, 3:8], check_num_valid(torch.tensor(3, device=out.device), 7, out.device))
     e = base.clone()
