@@ -28,7 +28,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 
 # In this process (--jobs 0): monkeypatched APIs are seen by the cases.
-IN_PROCESS = ("--quick", "--peers", "none", "--jobs", "0")
+IN_PROCESS = ("--quick", "--peers", "none", "--jobs", "0", "--device", "cpu")
 
 
 def test_check_passes_on_the_reference(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -98,10 +98,11 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_check(tmp_path: Path, *argv: str, timeout: float = 240) -> tuple[int, str, dict]:
-    """`python -m safemoe check ... --json` in a fresh process (plugins register in it)."""
+    """`python -m safemoe check --device cpu ... --json` in a fresh process (plugins register in
+    it); on CPU wherever the tests run, so counts and n/a reasons are the CPU ones."""
     out_json = tmp_path / f"check_{len(list(tmp_path.iterdir()))}.json"
     done = subprocess.run(
-        [sys.executable, "-m", "safemoe", "check", *argv, "--json", str(out_json)],
+        [sys.executable, "-m", "safemoe", "check", "--device", "cpu", *argv, "--json", str(out_json)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -254,7 +255,7 @@ def test_json_schema(tmp_path: Path) -> None:
 def test_case_counting(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     cpu = torch.device("cpu")
     grids = {c.name: len(c.grid(0, cpu)) for c in select_cases(None)}
-    code = cli.main(["check", "--quick", "--list"])
+    code = cli.main(["check", "--quick", "--list", "--device", "cpu"])
     listed = capsys.readouterr().out
     assert code == 0
     for name, count in grids.items():

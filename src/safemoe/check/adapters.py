@@ -441,6 +441,9 @@ def hf_adapter(device: torch.device, implementation: str) -> Adapter:
             adapter, f"transformers experts implementations: {type(error).__name__}: {error}"
         )
     known = getattr(getattr(hf_moe, "ALL_EXPERTS_FUNCTIONS", None), "_global_mapping", {})
+    if not hasattr(runner.module_class, "_apply_gate"):  # added by @use_experts_implementation
+        return _not_installed(adapter, f"transformers {transformers.__version__}: Qwen3MoeExperts has no "
+                                       "experts implementations")  # fmt: skip
     if implementation != "eager" and implementation not in known:
         return _not_installed(adapter, f"transformers {transformers.__version__} has no {implementation!r}")
     adapter.description += f" (transformers {transformers.__version__})"

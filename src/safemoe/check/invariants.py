@@ -205,20 +205,28 @@ def expect_close(
     rows: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> None:
-    """Within the dtype's tolerance (times `scale`); only the `rows` ([T] bool) when given."""
+    """Within the dtype's tolerance (times `scale`); only the `rows` ([T] bool) when given.
+
+    The absolute part scales with the row's largest magnitude (at least 1): a row's error comes
+    from rounding its partial sums (bf16 per-slot products, the intermediate), which are as large
+    as the row, so a small element of a large row (cancellation) carries the row's error."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise CheckFailure(
             f"{what}: {tuple(actual.shape)} {actual.dtype} vs {tuple(expected.shape)} {expected.dtype}"
         )
     atol, rtol = (scale * t for t in OUTPUT_TOLERANCES[expected.dtype])
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
-    bad = ~((a - e).abs() <= atol + rtol * e.abs())  # NaN never passes
+    if e.dim() >= 1 and e.numel():
+        row_size = e.abs().amax(dim=-1, keepdim=True).nan_to_num(0.0).clamp(min=1.0)
+    else:
+        row_size = torch.ones(())
+    bad = ~((a - e).abs() <= atol * row_size + rtol * e.abs())  # NaN never passes
     if rows is not None:
         bad &= rows.cpu().reshape(-1, *([1] * (bad.dim() - 1)))
     if bad.any():
         where = tuple(torch.nonzero(bad)[0].tolist())
         raise CheckFailure(
-            f"{what}: {int(bad.sum())}/{a.numel()} elements differ (atol={atol}, rtol={rtol}); "
+            f"{what}: {int(bad.sum())}/{a.numel()} elements differ (atol={atol:g} x row max, rtol={rtol:g}); "
             f"first at {where}: {a[where].item():.6g} vs {e[where].item():.6g}"
         )
 

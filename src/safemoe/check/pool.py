@@ -55,7 +55,7 @@ class Job:
     id: int
     backend: str
     items: list[Item]  # cases, in order
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for its worker
+    env: dict[str, str | None] = field(default_factory=dict)  # its worker's environment changes (None: unset)
 
     def to_json(self) -> str:
         return json.dumps({"id": self.id, "backend": self.backend, "items": [list(i) for i in self.items]})
@@ -94,14 +94,18 @@ def worker_command(config: WorkerConfig) -> list[str]:
     return [sys.executable, "-m", "safemoe.check._worker_main", config.to_json()]
 
 
-def worker_env(extra: dict[str, str]) -> dict[str, str]:
+def worker_env(extra: dict[str, str | None]) -> dict[str, str]:
     import safemoe
 
     env = dict(os.environ)
     source = str(Path(safemoe.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = source + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -197,7 +201,7 @@ class Pool:
             self._pending -= 1
             self._cond.notify_all()
 
-    def _new_job(self, backend: str, items: list[Item], env: dict[str, str]) -> Job:
+    def _new_job(self, backend: str, items: list[Item], env: dict[str, str | None]) -> Job:
         with self._cond:
             self._next_id += 1
             return Job(self._next_id, backend, items, env)
@@ -253,7 +257,7 @@ class Pool:
 
     def _manage(self) -> None:
         worker: _Worker | None = None
-        worker_env_key: tuple[tuple[str, str], ...] | None = None
+        worker_env_key: tuple[tuple[str, str | None], ...] | None = None
         while True:
             job = self._take()
             if job is None:

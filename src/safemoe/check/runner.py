@@ -37,6 +37,7 @@ from safemoe.check.worker import (
     CaseResult,
     Runner,
     WorkerConfig,
+    indexed_device,
     load_plugin,
     setup,
     static_status,
@@ -144,10 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _device(choice: str) -> torch.device:
     if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    return torch.device(choice)
+    return indexed_device(torch.device(choice))
 
 
 def _split(text: str | None) -> list[str]:
@@ -239,7 +240,9 @@ def plan_jobs(
             jobs += [Job(0, adapter.name, items[k : k + size]) for k in range(0, len(items), size)]
         for family, items in by_family.items():
             # CUDA graphs need the caching allocator to capture at all; memcheck then sees less.
-            env = {} if family == "graphs" else {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+            env: dict[str, str | None] = {
+                "PYTORCH_NO_CUDA_MEMORY_CACHING": None if family == "graphs" else "1"
+            }
             jobs += [
                 Job(0, adapter.name, items[k : k + SANITIZER_JOB], env)
                 for k in range(0, len(items), SANITIZER_JOB)

@@ -138,12 +138,20 @@ def probe_device(device: torch.device) -> str | None:
     return None
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """CUDA tensors report `cuda:0`, never a bare `cuda`: give the device its index so outputs can be
+    compared with it (a bare `cuda` made every check fail on the H200 run of 2026-11-21)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Runner:
     """Cases of jobs in this process, with adapters and parameter grids cached."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = indexed_device(torch.device(config.device))
         self.adapters: dict[str, Adapter] = {}
         self.grids: dict[str, list[dict[str, Any]]] = {}
 
