@@ -113,8 +113,8 @@ class Workspace:
                             ("hidden", hidden), ("inter", inter)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Workspace {name} must be a positive int, got {value!r}")
-        if top_k > num_experts:
-            raise ValueError(f"Workspace top_k={top_k} must be <= num_experts={num_experts}")
+        # top_k > num_experts is legal: experts() serves duplicate ids, and capacity() bounds the
+        # padded layout with min(E, S) whatever K is.
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"Workspace dtype must be bfloat16, float16 or float32, got {dtype}")
         cap = capacity(max_tokens, num_experts, top_k)
