@@ -277,7 +277,8 @@ def test_case_counting(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
 
 
 def test_in_process_and_workers_agree(tmp_path: Path) -> None:
-    args = ("--quick", "--only", "padding.experts,dispatch.bad_ids", "--peers", "torch,hf-grouped_mm")
+    args = ("--quick", "--only", "padding.experts,dispatch.bad_ids", "--backend", "reference", "--peers",
+            "torch,hf-grouped_mm")  # fmt: skip
     _, _, alone = run_check(tmp_path, *args, "--jobs", "0")
     _, _, pooled = run_check(tmp_path, *args, "--jobs", "2")
 

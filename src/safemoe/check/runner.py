@@ -348,14 +348,14 @@ def print_report(
             )
     counts = tally(results)
     table = Table(title=title, show_lines=True, caption="* chosen: the exit status is theirs")
-    table.add_column("backend", no_wrap=True)
+    table.add_column("backend", no_wrap=True, min_width=max(len(a.name) for a in adapters) + 2)
     for family in families:
         table.add_column(family, no_wrap=True)
     table.add_column("all", no_wrap=True)
     for adapter in adapters:
         name = adapter.name + (" *" if adapter.name in chosen else "")
         if not (adapter.installed and adapter.available):
-            table.add_row(f"[dim]{name}[/]", *[f"[dim]{adapter.state}[/]"] * (len(families) + 1))
+            table.add_row(f"[dim]{name}\n{adapter.state}[/]", *["[dim]-[/]"] * (len(families) + 1))
             continue
         row = counts[adapter.name]
         table.add_row(name, *[_cell(row[f]) for f in families], _cell(_sum([row[f] for f in families])))
