@@ -59,7 +59,7 @@ def _route_params(plan: Plan) -> list[dict[str, Any]]:
 
 @case("padding.route", ops=("route",), params=_route_params)
 def route_padding(ctx: CaseContext, **p: Any) -> None:
-    """route: real rows bitwise identical with poisoned padded rows and without any"""
+    """route: real rows bitwise identical whatever the padded rows hold; vs no padding: same ids"""
     num_experts, mode = p["E"], p["mode"]
     top_k = top_k_for(num_experts)
     kwargs = mode.kwargs(num_experts, top_k, ctx.generator, ctx.device)
@@ -78,9 +78,17 @@ def route_padding(ctx: CaseContext, **p: Any) -> None:
         row_names=REAL_KINDS + ["padding"] * num_padded,
     )
     expect_bitwise(routing.ids[:n], plain.ids, f"ids of real rows, padded with {p['fill']} vs unpadded")
-    expect_bitwise(
-        routing.weights[:n], plain.weights, f"weights of real rows, padded with {p['fill']} vs unpadded"
-    )
+    # Another T may take another tile config and so another fp32 summation order: weights agree
+    # within rounding there (1 ulp on the H200, 2026-11-21), and bitwise at the same T below.
+    what = f"weights of real rows, padded with {p['fill']} vs unpadded"
+    ctx.close(routing.weights[:n], plain.weights, what)
+    clean = torch.cat([real, padding_rows("zero", num_padded, num_experts)]).to(p["dtype"]).to(ctx.device)
+    same_t = ctx.api.route(clean, top_k, num_valid=num_valid_arg(p["num_valid"], n, ctx.device), **kwargs)
+    for name in ("ids", "weights"):
+        expect_bitwise(
+            getattr(routing, name)[:n], getattr(same_t, name)[:n],
+            f"{name} of real rows, padded with {p['fill']} vs zeros at the same T",
+        )
 
 
 def _padded_routing(ctx: CaseContext, real: Routing, num_padded: int, num_experts: int, fill: str) -> Routing:
