@@ -507,43 +507,26 @@ def _library_adapter(
     return adapter
 
 
-def vllm_adapter(device: torch.device) -> Adapter:
+# name -> (module whose import decides "installed", description, route and experts functions
+# of safemoe.bench.peers, None where the library has no such op).
+LIBRARY_PEERS: dict[str, tuple[str, str, str | None, str]] = {
+    "vllm": ("vllm.model_executor.layers.fused_moe",
+             "vLLM fused_topk / grouped_topk routing, Triton fused_experts",
+             "vllm_route", "vllm_fused_experts"),
+    "sglang": ("sglang.srt.layers.moe.topk",
+               "SGLang fused_topk / (biased_)grouped_topk routing, Triton fused_experts",
+               "sglang_route", "sglang_fused_experts"),
+    "flashinfer": ("flashinfer.fused_moe", "FlashInfer cutlass_fused_moe (experts only)", None,
+                   "flashinfer_fused_experts"),
+}  # fmt: skip
+
+
+def library_adapter(device: torch.device, name: str) -> Adapter:
     from safemoe.bench import peers
 
-    return _library_adapter(
-        "vllm",
-        device,
-        "vllm.model_executor.layers.fused_moe",
-        "vLLM fused_topk / grouped_topk routing, Triton fused_experts",
-        peers.vllm_route,
-        peers.vllm_fused_experts,
-    )
-
-
-def sglang_adapter(device: torch.device) -> Adapter:
-    from safemoe.bench import peers
-
-    return _library_adapter(
-        "sglang",
-        device,
-        "sglang.srt.layers.moe.topk",
-        "SGLang fused_topk / (biased_)grouped_topk routing, Triton fused_experts",
-        peers.sglang_route,
-        peers.sglang_fused_experts,
-    )
-
-
-def flashinfer_adapter(device: torch.device) -> Adapter:
-    from safemoe.bench import peers
-
-    return _library_adapter(
-        "flashinfer",
-        device,
-        "flashinfer.fused_moe",
-        "FlashInfer cutlass_fused_moe (experts only)",
-        None,
-        peers.flashinfer_fused_experts,
-    )
+    module, description, route, experts = LIBRARY_PEERS[name]
+    route_fn = getattr(peers, route) if route is not None else None
+    return _library_adapter(name, device, module, description, route_fn, getattr(peers, experts))
 
 
 AdapterFactory = Callable[[torch.device], Adapter]
@@ -554,9 +537,7 @@ BACKENDS: dict[str, AdapterFactory] = {
     "triton": triton_adapter,
     "torch": torch_adapter,
     **{f"hf-{impl}": functools.partial(hf_adapter, implementation=impl) for impl in HF_IMPLEMENTATIONS},
-    "vllm": vllm_adapter,
-    "sglang": sglang_adapter,
-    "flashinfer": flashinfer_adapter,
+    **{name: functools.partial(library_adapter, name=name) for name in LIBRARY_PEERS},
 }
 SAFEMOE_BACKENDS = ("reference", "triton")
 # Kept for callers of the first `safemoe check`: the safemoe backends only.

@@ -29,12 +29,11 @@ from safemoe.routing import Routing
 
 
 def _bad_params(plan: Plan) -> list[dict[str, Any]]:
-    # K <= E throughout: no router gives a row more slots than experts (and the Triton
-    # workspace refuses K > E; the reference takes it).
+    # E = 6 with K = 8: more slots than experts, each duplicate served (legal input).
     rows = plan.pairs(
         dtype=dtypes(plan),
-        E=plan.choose((8,), (8, 60, 64), (8, 60, 64, 160, 257)),
-        K=(1, 2, 6, 8),
+        E=plan.choose((8,), (6, 8, 64), (6, 8, 64, 160, 257)),
+        K=(1, 2, 4, 8),
         num_valid=NUM_VALID_FORMS,
     )
     return plan.cross(rows, bad=(*BAD_IDS, "mixed"))
