@@ -52,6 +52,19 @@ CHOSEN_EXAMPLES, PEER_EXAMPLES = 5, 1
 # process costs seconds to start, so more per job.
 JOB_CASES = {"cpu": 12, "cpu_triton": 6, "cuda": 40}
 SANITIZER_JOB = 60
+# Relative cost of a case, by family and backend (from the H200 run of 2026-11-21: boundaries and
+# e2e cases take 5-10x a routing case; Triton's include its compiles): jobs are cut smaller for
+# costly families and the costliest start first, so no long job is left for the end.
+FAMILY_COST = {
+    "routing": 1.0,
+    "padding": 2.0,
+    "dispatch": 2.0,
+    "buffers": 2.0,
+    "graphs": 3.0,
+    "e2e": 5.0,
+    "boundaries": 8.0,
+}
+BACKEND_COST = {"triton": 2.0, "reference": 1.5}
 PROGRESS_LINE_S = 30.0
 
 
@@ -97,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="worker processes (default: up to 12 on CUDA, one per core on CPU); 0 runs every case in this "
+        help="worker processes (default: up to 14 on CUDA, one per core on CPU); 0 runs every case in this "
         "process, without crash isolation (for debugging a repro)",
     )
     parser.add_argument(
@@ -234,7 +247,7 @@ def plan_jobs(
                 by_family[case.family] += items
                 continue
             if device.type == "cuda":
-                size = JOB_CASES["cuda"]
+                size = max(4, int(JOB_CASES["cuda"] / FAMILY_COST.get(case.family, 1.0)))
             else:
                 size = JOB_CASES["cpu_triton" if adapter.name == "triton" else "cpu"]
             jobs += [Job(0, adapter.name, items[k : k + size]) for k in range(0, len(items), size)]
@@ -247,11 +260,18 @@ def plan_jobs(
                 Job(0, adapter.name, items[k : k + SANITIZER_JOB], env)
                 for k in range(0, len(items), SANITIZER_JOB)
             ]
-    # The slow backend first (Triton compiles, or its interpreter on CPU), then the rest.
-    jobs.sort(key=lambda j: j.backend != "triton")
+    # Longest first (the classic list-scheduling rule): the run ends with short jobs only.
+    jobs.sort(key=lambda job: _job_cost(job, device), reverse=True)
     for number, job in enumerate(jobs, start=1):
         job.id = number
     return jobs, decided, counts
+
+
+def _job_cost(job: Job, device: torch.device) -> float:
+    backend = BACKEND_COST.get(job.backend, 1.0)
+    if job.backend == "triton" and device.type == "cpu":
+        backend = 20.0  # the Triton interpreter
+    return sum(FAMILY_COST.get(check.split(".", 1)[0], 1.0) for check, _ in job.items) * backend
 
 
 def _progress(console: Console) -> Progress:
@@ -548,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
         cases, adapters, device=device, scale=scale, only_case=args.case, sanitizer=sanitizer is not None
     )
     cuda = device.type == "cuda"
-    workers = args.jobs if args.jobs is not None else min(12 if cuda else 8, os.cpu_count() or 1)
+    workers = args.jobs if args.jobs is not None else min(14 if cuda else 8, os.cpu_count() or 1)
     if sanitizer is not None:
         workers = max(1, workers)
     timeout = args.timeout or (300.0 if cuda else 600.0) * (4 if sanitizer else 1)

@@ -86,7 +86,8 @@ def route_padding(ctx: CaseContext, **p: Any) -> None:
     same_t = ctx.api.route(clean, top_k, num_valid=num_valid_arg(p["num_valid"], n, ctx.device), **kwargs)
     for name in ("ids", "weights"):
         expect_bitwise(
-            getattr(routing, name)[:n], getattr(same_t, name)[:n],
+            getattr(routing, name)[:n],
+            getattr(same_t, name)[:n],
             f"{name} of real rows, padded with {p['fill']} vs zeros at the same T",
         )
 
