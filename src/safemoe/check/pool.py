@@ -38,7 +38,7 @@ from safemoe.check.worker import CRASHED, FAILED, PASSED, POISONED_EXIT, PREFIX,
 # indented; the banner, the summary and the exit notes are not errors.
 _SANITIZER_HEADER = re.compile(
     r"^========= (?!ERROR SUMMARY|COMPUTE-SANITIZER|Target application returned|"
-    r"Error: process didn't terminate)\S"
+    r"Error: process didn't terminate|Warning|Note|LEAK SUMMARY)\S"
 )
 _SANITIZER_SUMMARY = re.compile(r"^========= ERROR SUMMARY: (\d+) error")
 PROBE_CODE = (
