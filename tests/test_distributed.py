@@ -29,7 +29,7 @@ from safemoe._checks import NumValid
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
 from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
-from safemoe.module import MoE
+from safemoe.layer import MoE
 from safemoe.reference import experts_reference, route_reference
 from safemoe.routing import Routing
 

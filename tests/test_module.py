@@ -13,7 +13,7 @@ from helpers import assert_close, assert_equal
 from safemoe import ops
 from safemoe._checks import NumValid
 from safemoe.health import Health
-from safemoe.module import MoE, fold_expert_biases, folded_hidden
+from safemoe.layer import MoE, fold_expert_biases, folded_hidden
 from safemoe.reference import activation_reference, moe_reference
 
 H, I, E, K = 32, 16, 8, 2  # noqa: E741 (the project's shape names)
@@ -245,7 +245,7 @@ def test_torch_compile_fullgraph_cpu():
 def _triton_kernels_built() -> bool:
     try:
         import safemoe.kernels.experts
-        import safemoe.kernels.router  # noqa: F401
+        import safemoe.kernels.routing  # noqa: F401
     except ImportError:
         return False
     return True

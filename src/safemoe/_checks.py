@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from safemoe.numerics import FLT_MAX, FP8_BLOCK, FP8_DTYPE
+
 SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "swigluoai")
 BACKENDS = ("auto", "reference", "triton")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FLT_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def check_route_args(
         raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
     # Weights are finite and >= 0 by contract; routed weights are <= 1 before scaling, so a
     # factor in [0, FLT_MAX] keeps them so.
-    if not (math.isfinite(routed_scaling_factor) and 0.0 <= routed_scaling_factor <= _FLT_MAX):
+    if not (math.isfinite(routed_scaling_factor) and 0.0 <= routed_scaling_factor <= FLT_MAX):
         raise ValueError(
             "routed_scaling_factor must be finite, >= 0 and within float32 range, "
             f"got {routed_scaling_factor}"
@@ -229,9 +230,8 @@ def check_experts_args(x: object, w13: object, w2: object, activation: object) -
 # fp8 (e4m3) expert weights
 # ----------------------------------------------------------------------------------------------
 
-FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
+FP8_WEIGHT_DTYPES = (FP8_DTYPE,)
 FP8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
-_FP8_BLOCK = 128  # reference.FP8_BLOCK (not imported: reference imports this module)
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ def check_fp8_weights(w13: object, w2: object, w13_scale: object, w2_scale: obje
         check_contiguous(name, t)
 
     def blocks(n: int) -> int:
-        return -(-n // _FP8_BLOCK)
+        return -(-n // FP8_BLOCK)
 
     Shapes = list[tuple[int, ...]]
     per_tensor_shapes: dict[str, Shapes] = {"w13_scale": [(num_experts,), (num_experts, 2)],

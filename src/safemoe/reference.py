@@ -18,13 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from safemoe._checks import NumValid
-
-FLT_MAX = torch.finfo(torch.float32).max
-SENTINEL = -1
-
-# gpt-oss's clamped SwiGLU: alpha and limit as in its released model code.
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
+from safemoe.numerics import (
+    FLT_MAX,
+    FP8_AMAX_FLOOR,
+    FP8_BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    SENTINEL,
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+)
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -212,12 +215,6 @@ def moe_reference(
 # fp8 (e4m3) expert weights: the quantisation rules and the dequantised fp32 reference
 # ----------------------------------------------------------------------------------------------
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-FP8_BLOCK = 128  # DeepSeek-V3 block: 128x128 weight blocks, 1x128 activation groups
-# A group whose largest |value| is below this is scaled as if it were this (an all-zero group
-# would otherwise divide by a zero scale); the floor vLLM's per-token-group quantiser uses.
-FP8_AMAX_FLOOR = 1e-10
 
 
 def quantize_groups_reference(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

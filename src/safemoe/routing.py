@@ -76,7 +76,7 @@ def route(
 
     if backend == "triton":
         require_triton(logits.device, "route")
-        from safemoe.kernels.router import route_triton
+        from safemoe.kernels.routing import route_triton
 
         weights, ids = route_triton(logits, args, bias=bias, num_valid=nv, health=health)
         return Routing(weights=weights, ids=ids)

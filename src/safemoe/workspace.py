@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from safemoe.configs import MAX_BLOCK_M
+from safemoe.numerics import FP8_BLOCK, FP8_DTYPE
 
 _INDEX_DTYPE = torch.int32
-_FP8_DTYPE = torch.float8_e4m3fn
-_SCALE_GROUP = 128  # the 1x128 activation groups of the fp8 block mode
 
 
 def num_bins(num_experts: int) -> int:
@@ -58,7 +57,7 @@ def _meta_elems(num_experts: int) -> int:
 
 def _fp8_elems(max_tokens: int, cap: int, hidden: int, inter: int) -> tuple[int, int]:
     """(fp8 elements, fp32 scales) of the quantised x and intermediate."""
-    groups_h, groups_i = -(-hidden // _SCALE_GROUP), -(-inter // _SCALE_GROUP)
+    groups_h, groups_i = -(-hidden // FP8_BLOCK), -(-inter // FP8_BLOCK)
     return max_tokens * hidden + cap * inter, max_tokens * groups_h + cap * groups_i
 
 
@@ -142,7 +141,7 @@ class Workspace:
         self._fp8_scales: torch.Tensor | None = None
         if self.fp8:
             fp8_elems, scales = _fp8_elems(max_tokens, cap, hidden, inter)
-            self._fp8 = torch.empty(fp8_elems, dtype=_FP8_DTYPE, device=self.device)
+            self._fp8 = torch.empty(fp8_elems, dtype=FP8_DTYPE, device=self.device)
             self._fp8_scales = torch.empty(scales, dtype=torch.float32, device=self.device)
 
     @property

@@ -54,7 +54,7 @@ def _nv(value, num_tokens: int):
 def _fp8_weights(num_experts: int, hidden: int, inter: int, mode: str, seed: int = 0):
     """(bf16 w13, bf16 w2, (fp8 w13, fp8 w2, Fp8Weights))."""
     from safemoe._checks import check_fp8_weights
-    from safemoe.quant import quantize_experts
+    from safemoe.fp8 import quantize_experts
 
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)

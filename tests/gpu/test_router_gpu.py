@@ -37,7 +37,7 @@ def _reference(logits: torch.Tensor, args: _checks.RouteArgs, bias, nv) -> tuple
 
 def _route(logits, top_k, *, num_valid=None, health=None, config=None, **kw):
     """(weights, ids) from the kernel into poisoned buffers, and the reference's."""
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     args = _args(logits, top_k, **kw)
     nv = _checks.check_num_valid(num_valid, logits.shape[0], logits.device)
@@ -136,7 +136,7 @@ def test_grid_matches_reference(num_experts, top_k, n_group, topk_group, dtype):
 def test_every_config_agrees(num_experts, top_k, mode):
     """The configs the bench sweeps (rows per program, warps) all compute the same as the
     reference, with num_valid splitting a program."""
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     logits = _gpu_tie_free(1000, num_experts, torch.bfloat16, seed=3)
     logits[::7] = math.nan
@@ -170,7 +170,7 @@ def test_rows_past_2_pow_31_elements():
     num_valid = num_tokens - 1000
     logits[num_valid:] = math.nan
     (weights, ids), _ = _route(logits[:8], top_k)  # compile + warm
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     args = _args(logits, top_k)
     nv = _checks.check_num_valid(torch.tensor(num_valid, device="cuda"), num_tokens, logits.device)
@@ -187,7 +187,7 @@ def test_rows_past_2_pow_31_elements():
 
 
 def test_cuda_graph_replay_with_num_valid_changed_in_place():
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     num_tokens, num_experts, top_k = 256, 128, 8
     logits = _gpu_tie_free(num_tokens, num_experts, torch.bfloat16, seed=9)
@@ -234,7 +234,7 @@ def test_cuda_graph_replay_with_num_valid_changed_in_place():
 
 def _memcheck_cases() -> int:
     """Small cases for compute-sanitizer: every mode, odd E, tiny T, padding, a non-default config."""
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     failures = 0
     grouped = {"scoring": "sigmoid", "n_group": 8, "topk_group": 4}

@@ -9,7 +9,7 @@ import torch
 
 from helpers import assert_close, assert_equal
 from safemoe.graphs import CUDAGraphRunner, token_buckets
-from safemoe.module import MoE
+from safemoe.layer import MoE
 
 pytestmark = pytest.mark.gpu
 

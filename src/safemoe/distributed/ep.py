@@ -50,7 +50,7 @@ from torch import nn
 from safemoe import _checks
 from safemoe.experts import experts
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, Health, check_health
-from safemoe.module import MoE, Router
+from safemoe.layer import Gate, MoE
 from safemoe.routing import Routing
 
 MODES = ("dynamic", "capacity")
@@ -397,7 +397,7 @@ class EPMoE(nn.Module):
         self.backend = _checks.check_backend(backend)
         self.workspace = workspace
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.gate = Router(
+        self.gate = Gate(
             hidden_size,
             num_experts,
             top_k,

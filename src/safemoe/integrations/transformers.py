@@ -21,7 +21,7 @@ shared experts are the model's own modules. gpt-oss stores `gate_up_proj` transp
 [E, H, 2I] with gate and up interleaved column by column, and `down_proj` transposed: those are
 de-interleaved and transposed once, at patch time (a copy of the expert weights; the original
 tensors are released with the old block), and the gate/up bias is folded into w13 (see
-`safemoe.module`).
+`safemoe.layer`).
 
 Padding: every patched block reads the model's shared `num_valid` (None, an int or a 0-dim device
 tensor) set with `set_num_valid`; rows of the flattened [batch * seq] tokens at or past it are
@@ -43,7 +43,7 @@ from torch import nn
 
 from safemoe import _checks
 from safemoe.health import Health
-from safemoe.module import MoE, fold_expert_biases
+from safemoe.layer import MoE, fold_expert_biases
 from safemoe.reference import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 # transformers' hidden_act names -> safemoe activations (the gated form: act(gate) * up).

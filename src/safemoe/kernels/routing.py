@@ -43,8 +43,9 @@ import triton.language as tl
 
 from safemoe._checks import NumValid, RouteArgs
 from safemoe.health import HEALTH_SLOTS, NONFINITE_ROWS, PADDED_ROWS
+from safemoe.numerics import FLT_MAX as _FLT_MAX
 
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
+FLT_MAX = tl.constexpr(_FLT_MAX)
 DEAD = tl.constexpr(-(2**31))  # below _ordered(-FLT_MAX) = 0x80800000 (see step 3 above)
 _NONFINITE_ROWS = tl.constexpr(NONFINITE_ROWS)
 _PADDED_ROWS = tl.constexpr(PADDED_ROWS)
