@@ -55,10 +55,19 @@ def _zero_padding_torch(t: torch.Tensor, nv: _checks.NumValid) -> None:
     t[count:].zero_()
 
 
+def zero_padding_rows(t: torch.Tensor, nv: _checks.NumValid) -> None:
+    """The body of the `safemoe::zero_padding_` op: the kernel on CUDA, plain torch elsewhere."""
+    if t.device.type == "cuda" and not interpreter_enabled():
+        _zero_padding_triton(t, nv)
+    else:
+        _zero_padding_torch(t, nv)
+
+
 def zero_padding_(t: torch.Tensor, num_valid: int | torch.Tensor | None) -> torch.Tensor:
     """Zero rows `>= num_valid` of `t` in place and return `t` (see the module docstring).
 
     On CUDA one Triton launch reading a device `num_valid` (CUDA-graph safe); on CPU plain torch.
+    Goes through the registered op `safemoe::zero_padding_`, so it also works in compiled code.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
@@ -67,8 +76,7 @@ def zero_padding_(t: torch.Tensor, num_valid: int | torch.Tensor | None) -> torc
     nv = _checks.check_num_valid(num_valid, t.shape[0], t.device)
     if num_valid is None:
         return t
-    if t.device.type == "cuda" and not interpreter_enabled():
-        _zero_padding_triton(t, nv)
-    else:
-        _zero_padding_torch(t, nv)
-    return t
+    _as_rows(t)  # trailing dimensions contiguous, checked before the op
+    from safemoe import ops
+
+    return ops.zero_padding_(t, nv)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from safemoe.numerics import (
     SWIGLUOAI_ALPHA,
     SWIGLUOAI_LIMIT,
 )
+from safemoe.route_config import RouteConfig
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -55,17 +57,16 @@ def topk_lowest_index(values: torch.Tensor, k: int, eligible: torch.Tensor | Non
 
 def route_reference(
     logits: torch.Tensor,
-    top_k: int,
+    top_k: int | RouteConfig,
     *,
-    scoring: str = "softmax",
-    renormalize: bool = True,
     bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
     num_valid: NumValid | None = None,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weights float32 [T, K], ids int32 [T, K]); arguments already validated."""
+    """Returns (weights float32 [T, K], ids int32 [T, K]); arguments already validated. The
+    routing config comes whole or as top_k plus its options (see `RouteConfig.of`)."""
+    config = RouteConfig.of(top_k, options)
+    top_k, scoring, n_group, topk_group = config.top_k, config.scoring, config.n_group, config.topk_group
     num_tokens, num_experts = logits.shape
     device = logits.device
     valid = (num_valid or NumValid(num_tokens, None)).row_mask(num_tokens, device)  # [T] bool
@@ -98,10 +99,10 @@ def route_reference(
     weights = torch.gather(scores, 1, ids)  # unbiased scores
 
     # 5. Renormalise in fp32; a zero sum stays zero, so weights are never NaN.
-    if renormalize:
+    if config.renormalize:
         total = weights.sum(dim=-1, keepdim=True)
         weights = torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
-    weights = weights * routed_scaling_factor
+    weights = weights * config.routed_scaling_factor
 
     # 6. Padded rows: ids -1, weights 0.
     ids = torch.where(valid[:, None], ids, SENTINEL).to(torch.int32)
@@ -201,13 +202,14 @@ def moe_reference(
     router_logits: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    top_k: int,
+    top_k: int | RouteConfig,
     *,
     activation: str = "silu",
     num_valid: NumValid | None = None,
-    **route_kwargs: object,
+    bias: torch.Tensor | None = None,
+    **options: Any,
 ) -> torch.Tensor:
-    weights, ids = route_reference(router_logits, top_k, num_valid=num_valid, **route_kwargs)  # type: ignore[arg-type]
+    weights, ids = route_reference(router_logits, top_k, bias=bias, num_valid=num_valid, **options)
     return experts_reference(x, w13, w2, weights, ids, activation=activation, num_valid=num_valid)
 
 

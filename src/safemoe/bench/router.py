@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from safemoe._checks import NumValid, RouteArgs
+from safemoe._checks import NumValid
 from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
@@ -47,6 +47,7 @@ from safemoe.bench.harness import (
     time_auto,
     time_graph,
 )
+from safemoe.route_config import RouteConfig
 
 SUITE = "router"
 
@@ -64,8 +65,8 @@ class Case:
     def grouped(self) -> bool:
         return self.n_group is not None and self.n_group > 1
 
-    def args(self) -> RouteArgs:
-        return RouteArgs(top_k=self.top_k, scoring=self.scoring, renormalize=True, n_group=self.n_group,
+    def args(self) -> RouteConfig:
+        return RouteConfig(top_k=self.top_k, scoring=self.scoring, renormalize=True, n_group=self.n_group,
                          topk_group=self.topk_group, routed_scaling_factor=1.0)
 
     def peer_kwargs(self) -> dict[str, Any]:
