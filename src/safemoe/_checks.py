@@ -311,3 +311,13 @@ def check_workspace(workspace: object, x: torch.Tensor, w13: torch.Tensor, top_k
     num_experts, two_inter, hidden = w13.shape
     workspace.check(x.shape[0], num_experts, top_k, hidden, two_inter // 2, x.dtype, x.device, fp8=fp8)
     return workspace
+
+
+def check_expert_weights(
+    x: object, w13: object, w2: object, activation: object, w13_scale: object, w2_scale: object
+) -> tuple[int, int, int, int, Fp8Weights | None]:
+    """(T, E, H, I, fp8 scales or None) of an expert call: fp8 weights (or any scale given) take
+    the fp8 checks, anything else the bf16/fp16/fp32 ones."""
+    if wants_fp8(w13, w2, w13_scale, w2_scale):
+        return check_fp8_experts_args(x, w13, w2, w13_scale, w2_scale, activation)
+    return (*check_experts_args(x, w13, w2, activation), None)

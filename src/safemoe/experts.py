@@ -57,13 +57,9 @@ def experts(
         row only; a NaN/Inf in a valid row of x makes that row's output NaN and nothing else.
     Returns [T, H] in x's dtype.
     """
-    fp8 = None
-    if _checks.wants_fp8(w13, w2, w13_scale, w2_scale):
-        num_tokens, _, _, _, fp8 = _checks.check_fp8_experts_args(
-            x, w13, w2, w13_scale, w2_scale, activation
-        )
-    else:
-        num_tokens, _, _, _ = _checks.check_experts_args(x, w13, w2, activation)
+    num_tokens, _, _, _, fp8 = _checks.check_expert_weights(
+        x, w13, w2, activation, w13_scale, w2_scale
+    )
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a safemoe.Routing, got {type(routing).__name__}")
     _checks.check_routing_tensors(routing.ids, routing.weights, num_tokens, x.device)

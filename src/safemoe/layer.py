@@ -196,13 +196,9 @@ def moe(
     workspace, w13_scale, w2_scale: as in `safemoe.experts` (fp8 weights with their scales).
     Every argument is checked before any kernel launches.
     """
-    fp8 = None
-    if _checks.wants_fp8(w13, w2, w13_scale, w2_scale):
-        num_tokens, num_experts, _, _, fp8 = _checks.check_fp8_experts_args(
-            x, w13, w2, w13_scale, w2_scale, activation
-        )
-    else:
-        num_tokens, num_experts, _, _ = _checks.check_experts_args(x, w13, w2, activation)
+    num_tokens, num_experts, _, _, fp8 = _checks.check_expert_weights(
+        x, w13, w2, activation, w13_scale, w2_scale
+    )
     # Tie the router's E to the weights' E: a router wider than w13 would route to ids >= E that
     # experts() silently drops.
     logits = _checks.check_tensor("router_logits", router_logits, dims=2, dtypes=_checks.FLOAT_DTYPES)

@@ -263,13 +263,9 @@ def ep_experts(
         received row count in "dynamic" mode.
     w13_scale, w2_scale: fp8 (float8_e4m3fn) local experts' scales, as in `safemoe.experts`.
     """
-    fp8 = None
-    if _checks.wants_fp8(w13, w2, w13_scale, w2_scale):
-        num_tokens, local_experts, hidden, _, fp8 = _checks.check_fp8_experts_args(
-            x, w13, w2, w13_scale, w2_scale, activation
-        )
-    else:
-        num_tokens, local_experts, hidden, _ = _checks.check_experts_args(x, w13, w2, activation)
+    num_tokens, local_experts, hidden, _, fp8 = _checks.check_expert_weights(
+        x, w13, w2, activation, w13_scale, w2_scale
+    )
     if workspace is not None and not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a safemoe.Workspace or None, got {type(workspace).__name__}")
     backend = _checks.resolve_backend(_checks.check_backend(backend), x.device)
