@@ -204,3 +204,32 @@ def by_device(*, cpu: Iterable = (), cuda: Iterable = ()) -> list:
 def interpreter_only(reason: str) -> pytest.MarkDecorator:
     """For Triton cases that run on the interpreter only (the reason says why not compiled)."""
     return pytest.mark.skipif(not INTERPRETER, reason=f"interpreter only: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# A Qwen3-30B-A3B MoE layer on the GPU (graphs, compile and memory cases)
+# ---------------------------------------------------------------------------------------------
+
+QWEN3_SHAPE = (128, 8, 2048, 768)  # (E, K, H, I) of Qwen3-30B-A3B
+
+
+def qwen3_workspace(max_tokens: int):
+    from safemoe.workspace import Workspace
+
+    num_experts, top_k, hidden, inter = QWEN3_SHAPE
+    return Workspace(max_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+
+
+def qwen3_moe(workspace=None, **kwargs):
+    """safemoe.MoE at the Qwen3-30B-A3B shape in bf16 on CUDA, N(0, fan_in^-1/2) weights."""
+    from safemoe.module import MoE
+
+    num_experts, top_k, hidden, inter = QWEN3_SHAPE
+    torch.manual_seed(0)
+    moe = MoE(hidden, inter, num_experts, top_k, dtype=torch.bfloat16, device="cuda", workspace=workspace,
+              **kwargs)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, hidden**-0.5)
+        moe.w13.normal_(0, hidden**-0.5)
+        moe.w2.normal_(0, inter**-0.5)
+    return moe
