@@ -201,6 +201,12 @@ def by_device(*, cpu: Iterable = (), cuda: Iterable = ()) -> list:
     return params
 
 
+def case_id(value: object) -> str | None:
+    """Readable test ids for dtypes ("bf16", not "dtype3"); pytest's own for everything else."""
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return names.get(value) if isinstance(value, torch.dtype) else None
+
+
 def interpreter_only(reason: str) -> pytest.MarkDecorator:
     """For Triton cases that run on the interpreter only (the reason says why not compiled)."""
     return pytest.mark.skipif(not INTERPRETER, reason=f"interpreter only: {reason}")

@@ -25,6 +25,7 @@ from helpers import (
     assert_close,
     assert_equal,
     by_device,
+    case_id,
     garbage_ids,
     interpreter_only,
     poisoned,
@@ -151,7 +152,7 @@ GPU_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 @pytest.mark.memcheck
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=case_id)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
 def test_matches_reference(device: str, dtype: torch.dtype, activation: str) -> None:
     num_tokens, num_experts, top_k, hidden, inter = ACTIVATION_SHAPES[device]

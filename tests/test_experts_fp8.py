@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 import safemoe
-from helpers import STALE_ID, assert_equal, by_device, garbage_ids, interpreter_only, poisoned
+from helpers import STALE_ID, assert_equal, by_device, case_id, garbage_ids, interpreter_only, poisoned
 from safemoe._checks import NumValid, check_fp8_weights, check_num_valid
 from safemoe.configs import ExpertsConfig, GemmTiles
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
@@ -252,7 +252,7 @@ MATCH_SHAPES = {"cpu": (6, 2, 200, 136), "cuda": (16, 4, 320, 200)}
 @pytest.mark.parametrize(("device", "num_tokens", "dtype", "activation"), by_device(
     cpu=[(33, torch.float16, "silu"), (33, torch.bfloat16, "gelu"), (33, torch.float16, "swigluoai")],
     cuda=[(num_tokens, torch.bfloat16, "silu") for num_tokens in (1, 7, 129, 300)],
-))
+), ids=case_id)
 def test_matches_reference(device: str, num_tokens: int, mode: str, dtype: torch.dtype,
                            activation: str) -> None:
     """Against the fp8 reference, and the fp8 error against the unquantised experts."""
