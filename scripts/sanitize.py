@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 STALE_ID = 123456789
-_ROUTER, _EXPERTS = "safemoe.kernels.router", "safemoe.kernels.experts"
+_ROUTER, _EXPERTS = "safemoe.kernels.routing", "safemoe.kernels.experts"
 KERNELS: dict[str, tuple[str, ...]] = {
     "route": (_ROUTER,),
     "experts": (_EXPERTS,),

@@ -228,7 +228,7 @@ def qwen3_workspace(max_tokens: int):
 
 def qwen3_moe(workspace=None, **kwargs):
     """safemoe.MoE at the Qwen3-30B-A3B shape in bf16 on CUDA, N(0, fan_in^-1/2) weights."""
-    from safemoe.module import MoE
+    from safemoe.layer import MoE
 
     num_experts, top_k, hidden, inter = QWEN3_SHAPE
     torch.manual_seed(0)

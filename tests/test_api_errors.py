@@ -17,6 +17,7 @@ import safemoe
 experts_module = importlib.import_module("safemoe.experts")
 layer_module = importlib.import_module("safemoe.layer")
 routing_module = importlib.import_module("safemoe.routing")
+ops_module = importlib.import_module("safemoe.ops")
 
 T, E, K, H, I = 5, 8, 2, 16, 4  # noqa: E741  (the project vocabulary: I is the intermediate size)
 META = torch.device("meta")
@@ -28,8 +29,9 @@ def _tripwire(*args: Any, **kwargs: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def no_compute(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(routing_module, "route_reference", _tripwire)
-    monkeypatch.setattr(experts_module, "experts_reference", _tripwire)
+    # Every compute path (either backend) goes through the registered ops' wrappers.
+    for name in ("route", "experts", "zero_padding_"):
+        monkeypatch.setattr(ops_module, name, _tripwire)
 
 
 def logits(**over: Any) -> torch.Tensor:
@@ -230,12 +232,8 @@ def test_experts_rejects(over: dict[str, Any], error: type, match: str) -> None:
 def test_moe_rejects_before_routing(
     monkeypatch: pytest.MonkeyPatch, over: dict[str, Any], error: type, match: str
 ) -> None:
-    monkeypatch.setattr(layer_module, "experts", _tripwire)
-    if not any(
-        key in over for key in ("top_k", "scoring", "n_group", "num_valid", "health", "backend", "scorng")
-    ):
-        # Expert-side errors must come before the router runs.
-        monkeypatch.setattr(layer_module, "route", _tripwire)
+    # moe() checks every argument (expert side and router side) before its first op: the autouse
+    # fixture trips on the router op as on the expert op.
     with pytest.raises(error, match=match):
         call_moe(**over)()
 

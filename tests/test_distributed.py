@@ -34,7 +34,7 @@ from safemoe._checks import NumValid
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
 from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
-from safemoe.module import MoE
+from safemoe.layer import MoE
 from safemoe.reference import experts_reference, route_reference
 from safemoe.routing import Routing
 from safemoe.workspace import Workspace
@@ -542,5 +542,28 @@ def test_world_of_one_is_the_plain_layer_and_checks_arguments() -> None:
         ep(torch.zeros(2, H + 1))
     with pytest.raises(ValueError, match="trailing dims"):
         ep.load_experts(moe.w13[:, :, :4], moe.w2)
-    with pytest.raises(ValueError, match="not supported"):
-        EPMoE.from_moe(MoE(H, I, E, K, shared_intermediate_size=8))
+    # Shared experts (with their gate) and expert biases work in EPMoE as in MoE.
+    full = ctx.moe(shared_intermediate_size=8, shared_expert_gate=True, expert_bias=True)
+    for mode in ("dynamic", "capacity"):
+        ep = EPMoE.from_moe(full, mode=mode)
+        out = ep(x, num_valid=5)
+        assert_close(out[:5], full(ctx.x_own), what=f"{mode}: shared expert and expert biases")
+        _check_padded_zero(out, 5, mode)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("quant", ["per_tensor", "block"])
+def test_world_of_one_from_an_fp8_moe(quant: str) -> None:
+    """EPMoE.from_moe of an fp8 MoE keeps its fp8 experts (sliced) and computes what the MoE does."""
+    moe = MoE(H, I, E, K, backend="reference", dtype=torch.bfloat16)
+    moe.quantize_(quant)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    x_pad = torch.cat([x, torch.full((2, H), float("nan"), dtype=torch.bfloat16)])
+    with torch.no_grad():
+        want = moe(x)
+        for mode in ("dynamic", "capacity"):
+            ep = EPMoE.from_moe(moe, mode=mode)
+            assert ep.quant == quant and ep.w13.dtype == torch.float8_e4m3fn
+            out = ep(x_pad, num_valid=6)
+            assert_close(out[:6], want, dtype=torch.bfloat16, what=f"{quant} {mode}")
+            _check_padded_zero(out, 6, f"{quant} {mode}")

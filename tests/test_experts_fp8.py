@@ -46,10 +46,10 @@ import safemoe
 from helpers import STALE_ID, assert_equal, by_device, case_id, garbage_ids, interpreter_only, poisoned
 from safemoe._checks import NumValid, check_fp8_weights, check_num_valid
 from safemoe.configs import ExpertsConfig, GemmTiles
+from safemoe.fp8 import _quantize_stack, dequantize_experts, quantize_experts
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
+from safemoe.kernels.act_quant import quantize_rows_into, round_to_e4m3
 from safemoe.kernels.experts import experts_triton
-from safemoe.kernels.quant import quantize_rows_into, round_to_e4m3
-from safemoe.quant import _quantize_stack, dequantize_experts, quantize_experts
 from safemoe.reference import (
     FP8_DTYPE,
     dequantize_expert_weight,
@@ -205,7 +205,7 @@ def test_quantize_rows_kernel_matches_reference_bitwise(dtype: torch.dtype, grou
     """Codes and scales equal the reference's bit for bit (NaN, +-Inf, all-zero, tiny and huge
     rows included); rows at or past num_valid are neither read nor written. max_one_chunk = 64:
     groups longer than one load take the two-pass path (per-token groups past 16384 columns)."""
-    monkeypatch.setattr("safemoe.kernels.quant._MAX_ONE_CHUNK", max_one_chunk)
+    monkeypatch.setattr("safemoe.kernels.act_quant._MAX_ONE_CHUNK", max_one_chunk)
     gen = torch.Generator().manual_seed(group)
     rows, cols, valid = 37, 300, 30
     t = (torch.randn(rows, cols, generator=gen) * torch.logspace(-4, 4, rows)[:, None]).to(dtype)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import safemoe
 from helpers import assert_close, assert_equal
 
 transformers = pytest.importorskip("transformers")
@@ -151,7 +152,7 @@ def test_patch_matches_unpatched(family):
 
 def test_patch_shares_workspace_health_and_is_idempotent():
     model = build("qwen3_moe")
-    workspace, health = object(), Health()
+    workspace, health = safemoe.Workspace(64, 8, 2, 64, 32, torch.float32, "cpu"), Health()
     patch(model, workspace=workspace, health=health)
     blocks = patched_blocks(model)
     assert len(blocks) == 2

@@ -14,7 +14,7 @@ from helpers import QWEN3_SHAPE, assert_close, assert_equal, interpreter_only, q
 from safemoe import ops
 from safemoe._checks import NumValid
 from safemoe.health import Health
-from safemoe.module import MoE, fold_expert_biases, folded_hidden
+from safemoe.layer import MoE, fold_expert_biases, folded_hidden
 from safemoe.reference import activation_reference, moe_reference
 
 H, I, E, K = 32, 16, 8, 2  # noqa: E741 (the project's shape names)
@@ -33,15 +33,9 @@ def make_moe(**kwargs) -> MoE:
 
 
 def route_kwargs(moe: MoE) -> dict:
-    g = moe.gate
-    return dict(
-        scoring=g.scoring,
-        renormalize=g.renormalize,
-        bias=g.selection_bias,
-        n_group=g.n_group,
-        topk_group=g.topk_group,
-        routed_scaling_factor=g.routed_scaling_factor,
-    )
+    g = moe.gate  # the routing options travel whole, as the gate's RouteConfig
+    options = {name: value for name, value in vars(g.config).items() if name != "top_k"}
+    return dict(bias=g.selection_bias, **options)
 
 
 def padded_input(num_tokens: int, num_valid: int) -> torch.Tensor:
@@ -181,10 +175,6 @@ def test_moe_argument_errors():
         make_moe().load_experts(torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I))
 
 
-class FakeWorkspace:
-    """Stands in for a workspace where only the plumbing is tested."""
-
-
 def _workspace_module():
     try:
         import safemoe.workspace as module
@@ -194,32 +184,29 @@ def _workspace_module():
 
 
 def test_layers_share_one_workspace(monkeypatch):
-    workspace = FakeWorkspace()
+    workspace = safemoe.Workspace(16, E, K, H, I, torch.float32, "cpu")
     layers = [make_moe(workspace=workspace) for _ in range(4)]
     seen = []
 
-    def recording_experts(x, w13, w2, routing, *, workspace=None, **kwargs):
+    def recording_experts(x, w13, w2, weights, ids, *, workspace=None, **kwargs):
         seen.append(workspace)
         return torch.zeros_like(x)
 
-    monkeypatch.setattr(ops, "_experts_public", recording_experts)
+    monkeypatch.setattr(ops, "experts", recording_experts)
     x = torch.randn(5, H)
     with torch.no_grad():
         for layer in layers:
             layer(x)
     assert len(seen) == 4 and all(s is workspace for s in seen)
-    assert all(ops.lookup_workspace(layer._workspace_id) is workspace for layer in layers)
     assert all(layer.workspace is workspace for layer in layers)
 
 
-def test_workspace_not_passed_when_experts_lacks_it(monkeypatch):
-    def old_experts(x, w13, w2, routing, **kwargs):
-        assert "workspace" not in kwargs
-        return torch.zeros_like(x)
-
-    monkeypatch.setattr(ops, "_experts_public", old_experts)
-    with torch.no_grad():
-        make_moe(workspace=FakeWorkspace())(torch.randn(3, H))
+def test_workspace_is_typed():
+    with pytest.raises(TypeError, match=r"workspace must be a safemoe\.Workspace"):
+        make_moe(workspace=object())
+    moe = make_moe()
+    with pytest.raises(TypeError, match=r"workspace must be a safemoe\.Workspace"):
+        moe.set_workspace("x")  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(_workspace_module() is None, reason="safemoe.workspace not built yet")
@@ -246,7 +233,7 @@ def test_torch_compile_fullgraph_cpu():
 def _triton_kernels_built() -> bool:
     try:
         import safemoe.kernels.experts
-        import safemoe.kernels.router  # noqa: F401
+        import safemoe.kernels.routing  # noqa: F401
     except ImportError:
         return False
     return True

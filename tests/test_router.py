@@ -34,7 +34,7 @@ from helpers import (
 )
 from safemoe import _checks
 from safemoe.health import NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
-from safemoe.kernels import router
+from safemoe.kernels import routing as router
 from safemoe.reference import route_reference
 
 # -FLT_MAX - FLT_MAX overflows to -inf inside softmax on purpose (exp gives 0); numpy says so.

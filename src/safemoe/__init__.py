@@ -7,12 +7,12 @@ from safemoe._triton import configure_interpreter
 configure_interpreter()
 
 from safemoe.experts import experts  # noqa: E402
+from safemoe.fp8 import dequantize_experts, quantize_experts  # noqa: E402
 from safemoe.graphs import CUDAGraphRunner  # noqa: E402
 from safemoe.health import HEALTH_SLOTS, Health, new_health_tensor  # noqa: E402
-from safemoe.layer import moe  # noqa: E402
-from safemoe.module import MoE  # noqa: E402
+from safemoe.layer import MoE, moe  # noqa: E402
 from safemoe.padding import zero_padding_  # noqa: E402
-from safemoe.quant import dequantize_experts, quantize_experts  # noqa: E402
+from safemoe.route_config import RouteConfig  # noqa: E402
 from safemoe.routing import Routing, route  # noqa: E402
 from safemoe.workspace import Workspace, workspace_bytes  # noqa: E402
 
@@ -23,6 +23,7 @@ __all__ = [
     "CUDAGraphRunner",
     "Health",
     "MoE",
+    "RouteConfig",
     "Routing",
     "Workspace",
     "__version__",

@@ -7,16 +7,20 @@ only, and kernels clamp its value to [0, T].
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-SCORINGS = ("softmax", "sigmoid")
+from safemoe.numerics import FP8_BLOCK, FP8_DTYPE
+from safemoe.route_config import RouteConfig
+
+if TYPE_CHECKING:
+    from safemoe.workspace import Workspace
+
 ACTIVATIONS = ("silu", "gelu", "swigluoai")
 BACKENDS = ("auto", "reference", "triton")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FLT_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -97,82 +101,29 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-@dataclass(frozen=True)
-class RouteArgs:
-    top_k: int
-    scoring: str
-    renormalize: bool
-    n_group: int | None
-    topk_group: int | None
-    routed_scaling_factor: float
-
-
 def check_route_args(
     logits: object,
-    top_k: object,
+    top_k: int | RouteConfig,
     *,
-    scoring: object,
-    renormalize: object,
-    bias: object,
-    n_group: object,
-    topk_group: object,
-    routed_scaling_factor: object,
-) -> RouteArgs:
+    bias: object = None,
+    **options: Any,
+) -> RouteConfig:
+    """Validate router logits [T, E] (and the selection bias [E]) against a routing config, given
+    whole or as top_k plus options; returns the config."""
+    config = RouteConfig.of(top_k, options)  # type and range checks of every option
     logits = check_tensor("logits", logits, dims=2, dtypes=FLOAT_DTYPES)
     check_contiguous("logits", logits)
     num_experts = logits.shape[1]
     if num_experts < 1:
         raise ValueError(f"logits must have at least one expert column, got shape {tuple(logits.shape)}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    config.check(num_experts)
     if bias is not None:
         bias = check_tensor("bias", bias, dims=1, dtypes=FLOAT_DTYPES)
         if bias.shape[0] != num_experts:
             raise ValueError(f"bias must have shape [E={num_experts}], got {tuple(bias.shape)}")
         check_same_device("bias", bias, logits.device)
         check_contiguous("bias", bias)
-    if (n_group is None) != (topk_group is None):
-        raise ValueError(
-            f"n_group and topk_group go together (group-limited routing), got {n_group=} {topk_group=}"
-        )
-    if n_group is not None:
-        if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
-            raise ValueError(f"n_group must be a positive int, got {n_group!r}")
-        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or topk_group < 1:
-            raise ValueError(f"topk_group must be a positive int, got {topk_group!r}")
-        if num_experts % n_group != 0:
-            raise ValueError(f"n_group={n_group} must divide E={num_experts}")
-        if topk_group > n_group:
-            raise ValueError(f"topk_group={topk_group} must be <= n_group={n_group}")
-        group_size = num_experts // n_group
-        if topk_group * group_size < top_k:
-            raise ValueError(
-                f"top_k={top_k} needs at least that many experts in the kept groups, but "
-                f"topk_group={topk_group} groups of {group_size} experts hold {topk_group * group_size}"
-            )
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
-        raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
-    # Weights are finite and >= 0 by contract; routed weights are <= 1 before scaling, so a
-    # factor in [0, FLT_MAX] keeps them so.
-    if not (math.isfinite(routed_scaling_factor) and 0.0 <= routed_scaling_factor <= _FLT_MAX):
-        raise ValueError(
-            "routed_scaling_factor must be finite, >= 0 and within float32 range, "
-            f"got {routed_scaling_factor}"
-        )
-    return RouteArgs(
-        top_k=top_k,
-        scoring=str(scoring),
-        renormalize=renormalize,
-        n_group=n_group,  # type: ignore[arg-type]
-        topk_group=topk_group,  # type: ignore[arg-type]
-        routed_scaling_factor=float(routed_scaling_factor),
-    )
+    return config
 
 
 def check_routing_tensors(ids: object, weights: object, num_rows: int, device: torch.device) -> None:
@@ -229,9 +180,8 @@ def check_experts_args(x: object, w13: object, w2: object, activation: object) -
 # fp8 (e4m3) expert weights
 # ----------------------------------------------------------------------------------------------
 
-FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
+FP8_WEIGHT_DTYPES = (FP8_DTYPE,)
 FP8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
-_FP8_BLOCK = 128  # reference.FP8_BLOCK (not imported: reference imports this module)
 
 
 @dataclass(frozen=True)
@@ -297,7 +247,7 @@ def check_fp8_weights(w13: object, w2: object, w13_scale: object, w2_scale: obje
         check_contiguous(name, t)
 
     def blocks(n: int) -> int:
-        return -(-n // _FP8_BLOCK)
+        return -(-n // FP8_BLOCK)
 
     Shapes = list[tuple[int, ...]]
     per_tensor_shapes: dict[str, Shapes] = {"w13_scale": [(num_experts,), (num_experts, 2)],
@@ -346,3 +296,18 @@ def check_fp8_experts_args(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     return num_tokens, num_experts, hidden, two_inter // 2, spec
+
+
+def check_workspace(workspace: object, x: torch.Tensor, w13: torch.Tensor, top_k: int,
+                    *, fp8: bool = False) -> Workspace | None:
+    """A `safemoe.Workspace` (or None) that can serve a call with these inputs, on every backend
+    (the reference backend does not use it, but takes the same arguments as the Triton one)."""
+    from safemoe.workspace import Workspace
+
+    if workspace is None:
+        return None
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a safemoe.Workspace or None, got {type(workspace).__name__}")
+    num_experts, two_inter, hidden = w13.shape
+    workspace.check(x.shape[0], num_experts, top_k, hidden, two_inter // 2, x.dtype, x.device, fp8=fp8)
+    return workspace

@@ -117,7 +117,7 @@ class Probes:
 
     def _router_output(self, index: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            # stock router: (logits, scores, ids [T, K] int64); safemoe Router: (weights, ids)
+            # stock router: (logits, scores, ids [T, K] int64); safemoe Gate: (weights, ids)
             ids = output[-1]
             ordered = torch.sort(ids, dim=-1).values
             same = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # -1 is padding

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from safemoe import _checks
+from safemoe import _checks, ops
 from safemoe._triton import require_triton
-from safemoe.health import DROPPED_SLOTS, check_health
-from safemoe.reference import experts_fp8_reference, experts_reference, valid_slot_mask
+from safemoe.health import check_health
 from safemoe.routing import Routing
 
 if TYPE_CHECKING:
@@ -60,11 +59,11 @@ def experts(
     """
     fp8 = None
     if _checks.wants_fp8(w13, w2, w13_scale, w2_scale):
-        num_tokens, num_experts, _, _, fp8 = _checks.check_fp8_experts_args(
+        num_tokens, _, _, _, fp8 = _checks.check_fp8_experts_args(
             x, w13, w2, w13_scale, w2_scale, activation
         )
     else:
-        num_tokens, num_experts, _, _ = _checks.check_experts_args(x, w13, w2, activation)
+        num_tokens, _, _, _ = _checks.check_experts_args(x, w13, w2, activation)
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a safemoe.Routing, got {type(routing).__name__}")
     _checks.check_routing_tensors(routing.ids, routing.weights, num_tokens, x.device)
@@ -72,27 +71,8 @@ def experts(
     nv = _checks.check_num_valid(num_valid, num_tokens, x.device)
     check_health(health, x.device)
     backend = _checks.resolve_backend(backend, x.device)
-
+    workspace = _checks.check_workspace(workspace, x, w13, routing.ids.shape[1], fp8=fp8 is not None)
     if backend == "triton":
         require_triton(x.device, "experts")
-        from safemoe.kernels.experts import experts_triton
-
-        return experts_triton(
-            x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv, health=health,
-            workspace=workspace, fp8=fp8,
-        )
-
-    if fp8 is not None:
-        out = experts_fp8_reference(
-            x, w13, w2, fp8.w13_scale, fp8.w2_scale, routing.weights, routing.ids, activation=activation,
-            num_valid=nv,
-        )
-    else:
-        out = experts_reference(
-            x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv
-        )
-    if health is not None:
-        rows = nv.row_mask(num_tokens, x.device)
-        served = valid_slot_mask(routing.ids, num_experts, nv)
-        health[DROPPED_SLOTS] += (rows[:, None] & ~served).sum()
-    return out
+    return ops.experts(x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv,
+                       backend=backend, health=health, workspace=workspace, fp8=fp8)

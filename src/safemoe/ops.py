@@ -1,234 +1,187 @@
-"""safemoe's ops registered with `torch.library`, so `torch.compile(fullgraph=True)` treats them as
-opaque calls (no graph break, no tracing into Triton launchers) and CUDA-graph capture records the
-kernels they launch.
+"""safemoe's ops registered with `torch.library`, at the launchers: `torch.compile(fullgraph=True)`
+treats them as opaque calls (no graph break, no tracing into Triton launchers) and CUDA-graph
+capture records the kernels they launch.
 
-| op | schema (short) |
+Each op writes into outputs its caller allocated, and takes every buffer as an explicit tensor (the
+way quack registers its `cute_op`s): the workspace is its one byte buffer plus the dims that lay it
+out, `num_valid` is the kernels' own pair (an optional 0-dim device tensor, else a host count),
+fp8 weights bring their scales and mode. The bodies call the Triton launchers (or, for the
+reference backend, the spec in `reference.py`) without checking anything again: the public
+functions (`safemoe.route`, `safemoe.experts`, `safemoe.moe`, `safemoe.zero_padding_`) and the
+layers (`safemoe.MoE`, validated at construction) check once and call the wrappers below.
+
+| op | arguments (short) |
 |---|---|
-| `safemoe::route` | (logits, top_k, scoring, renormalize, bias?, n_group?, topk_group?, scale, |
-| | num_valid?, count?, backend) -> (weights, ids) |
-| `safemoe::route_counted` | the same, then `health!` (int64 [8], mutated) |
-| `safemoe::experts` | (x, w13, w2, weights, ids, activation, num_valid?, count?, backend, |
-| | workspace_id) -> out |
-| `safemoe::experts_counted` | the same, then `health!` |
-| `safemoe::zero_padding_` | (t!, num_valid?, count?) -> () |
+| `safemoe::route` | logits, bias?, the `RouteConfig` fields, num_valid?, count, backend, |
+| | weights_out!, ids_out! |
+| `safemoe::experts` | x, w13, w2, w13_scale?, w2_scale?, quant, gate_up_split, weights, ids, activation, |
+| | num_valid?, count, backend, workspace!, workspace_dims, out! |
+| `safemoe::zero_padding_` | t!, num_valid?, count |
 
-`num_valid` reaches an op as two arguments: a 0-dim device tensor (`num_valid`) or a host int
-(`num_valid_count`), at most one set; `split_num_valid` converts the public form. A Python object
-cannot cross a custom-op boundary, so a `Workspace` is passed as the integer id under which
-`register_workspace` filed it (-1: none). The health tensor is a mutated argument of the
-`_counted` flavour. Each op returns new tensors (never an alias of an input), so
-functionalization has nothing to undo. Schemas are written out, not inferred from annotations.
-
-The bodies call the public ops (`safemoe.route`, `safemoe.experts`): every argument check and the
-backend choice live there, once.
+`route` and `experts` come in two flavours, without and with a mutated `health` tensor (`_counted`):
+inductor (torch 2.13) fails to lower an op whose Optional mutated argument is None ("getitem is not
+an OpOverload"), so no mutated argument is ever Optional.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import weakref
-from typing import Any
-
 import torch
 
-from safemoe.experts import experts as _experts_public
-from safemoe.padding import zero_padding_ as _zero_padding_public
-from safemoe.routing import Routing
-from safemoe.routing import route as _route_public
+from safemoe._checks import Fp8Weights, NumValid
+from safemoe.route_config import RouteConfig
+from safemoe.workspace import Workspace
 
-_WORKSPACES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_STRONG_WORKSPACES: dict[int, Any] = {}
-
-
-def register_workspace(workspace: Any) -> int:
-    """File `workspace` under an integer id that the `safemoe::experts` op can carry.
-
-    Held weakly when the object allows it: a workspace dropped by every module is freed.
-    """
-    if workspace is None:
-        return -1
-    key = id(workspace)
-    try:
-        _WORKSPACES[key] = workspace
-    except TypeError:  # no __weakref__ slot: keep it alive for the process
-        _STRONG_WORKSPACES[key] = workspace
-    return key
-
-
-def lookup_workspace(workspace_id: int) -> Any:
-    if workspace_id < 0:
-        return None
-    found = _WORKSPACES.get(workspace_id, _STRONG_WORKSPACES.get(workspace_id))
-    if found is None:
-        raise RuntimeError(f"safemoe workspace id {workspace_id} is not registered (was it freed?)")
-    return found
-
-
-@functools.cache
-def _accepts_workspace(fn: Any) -> bool:
-    """Whether the public `experts()` takes `workspace=` (added by the expert-kernel work)."""
-    try:
-        return "workspace" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def experts_supports_workspace() -> bool:
-    return _accepts_workspace(_experts_public)
-
-
-def split_num_valid(num_valid: int | torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
-    """Public `num_valid` -> (tensor, count) for the ops: at most one is not None."""
-    if num_valid is None:
-        return None, None
-    if isinstance(num_valid, torch.Tensor):
-        return num_valid, None
-    if isinstance(num_valid, bool) or not isinstance(num_valid, int):
-        raise TypeError(
-            f"num_valid must be None, an int or a 0-dim integer tensor, got {type(num_valid).__name__}"
-        )
-    return None, num_valid
-
-
-def _join_num_valid(tensor: torch.Tensor | None, count: int | None) -> int | torch.Tensor | None:
-    return tensor if tensor is not None else count
-
-
-# Argument lists of the ops (schemas written out: each op comes in two flavours sharing them).
 _ROUTE_ARGS = (
-    "Tensor logits, SymInt top_k, str scoring, bool renormalize, Tensor? bias, SymInt? n_group, "
-    "SymInt? topk_group, float routed_scaling_factor, Tensor? num_valid, SymInt? num_valid_count, str backend"
+    f"Tensor logits, Tensor? bias, {RouteConfig.op_schema()}, Tensor? num_valid, SymInt num_valid_count, "
+    "str backend, Tensor(a!) weights_out, Tensor(b!) ids_out"
 )
 _EXPERTS_ARGS = (
-    "Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, str activation, Tensor? num_valid, "
-    "SymInt? num_valid_count, str backend, SymInt workspace_id"
+    "Tensor x, Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, str quant, bool gate_up_split, "
+    "Tensor weights, Tensor ids, str activation, Tensor? num_valid, SymInt num_valid_count, str backend, "
+    "Tensor(a!) workspace, int[] workspace_dims, Tensor(b!) out"
 )
+_NUM_ROUTE_FIELDS = len(RouteConfig.op_schema().split(", "))
+
+
+def _num_valid(tensor: torch.Tensor | None, count: int) -> NumValid:
+    return NumValid(count=None, tensor=tensor) if tensor is not None else NumValid(count=count, tensor=None)
 
 
 def _route_impl(
-    logits: torch.Tensor,
-    top_k: int,
-    scoring: str,
-    renormalize: bool,
-    bias: torch.Tensor | None,
-    n_group: int | None,
-    topk_group: int | None,
-    routed_scaling_factor: float,
-    num_valid: torch.Tensor | None,
-    num_valid_count: int | None,
-    backend: str,
-    health: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    routing = _route_public(
-        logits,
-        top_k,
-        scoring=scoring,
-        renormalize=renormalize,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor,
-        num_valid=_join_num_valid(num_valid, num_valid_count),
-        backend=backend,
-        health=health,
+    logits: torch.Tensor, bias: torch.Tensor | None, *rest: object
+) -> None:
+    fields, (nv_tensor, nv_count, backend, weights_out, ids_out, *health) = (
+        rest[:_NUM_ROUTE_FIELDS], rest[_NUM_ROUTE_FIELDS:]
     )
-    return routing.weights, routing.ids
+    config = RouteConfig(*fields)  # type: ignore[arg-type]
+    nv = _num_valid(nv_tensor, nv_count)  # type: ignore[arg-type]
+    counter = health[0] if health else None
+    assert isinstance(weights_out, torch.Tensor) and isinstance(ids_out, torch.Tensor)
+    if backend == "triton":
+        from safemoe.kernels.routing import route_into
+
+        route_into(logits, config, bias=bias, num_valid=nv, health=counter,  # type: ignore[arg-type]
+                   weights_out=weights_out, ids_out=ids_out)
+        return
+    from safemoe.reference import route_reference
+
+    weights, ids = route_reference(logits, config, bias=bias, num_valid=nv)
+    weights_out.copy_(weights)
+    ids_out.copy_(ids)
+    if counter is not None:
+        from safemoe.health import NONFINITE_ROWS, PADDED_ROWS
+
+        valid = nv.row_mask(logits.shape[0], logits.device)
+        counter[NONFINITE_ROWS] += ((~torch.isfinite(logits)).any(dim=1) & valid).sum()  # type: ignore[index]
+        counter[PADDED_ROWS] += (~valid).sum()  # type: ignore[index]
 
 
 def _experts_impl(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    quant: str,
+    gate_up_split: bool,
     weights: torch.Tensor,
     ids: torch.Tensor,
     activation: str,
     num_valid: torch.Tensor | None,
-    num_valid_count: int | None,
+    num_valid_count: int,
     backend: str,
-    workspace_id: int,
+    workspace: torch.Tensor,
+    workspace_dims: list[int],
+    out: torch.Tensor,
     health: torch.Tensor | None = None,
-) -> torch.Tensor:
-    kwargs: dict[str, Any] = {}
-    workspace = lookup_workspace(workspace_id)
-    if workspace is not None and experts_supports_workspace():
-        kwargs["workspace"] = workspace
-    return _experts_public(
-        x,
-        w13,
-        w2,
-        Routing(weights=weights, ids=ids),
-        activation=activation,
-        num_valid=_join_num_valid(num_valid, num_valid_count),
-        backend=backend,
-        health=health,
-        **kwargs,
-    )
+) -> None:
+    nv = _num_valid(num_valid, num_valid_count)
+    fp8 = None
+    if quant:
+        assert w13_scale is not None and w2_scale is not None
+        fp8 = Fp8Weights(quant, w13_scale, w2_scale, gate_up_split)
+    if backend == "triton":
+        from safemoe.kernels.experts import experts_triton
+
+        experts_triton(x, w13, w2, weights, ids, activation=activation, num_valid=nv, health=health,
+                       workspace=Workspace.over(workspace, workspace_dims, x.dtype), out=out, fp8=fp8)
+        return
+    from safemoe import reference
+    from safemoe.health import DROPPED_SLOTS
+
+    if fp8 is not None:
+        result = reference.experts_fp8_reference(x, w13, w2, fp8.w13_scale, fp8.w2_scale, weights, ids,
+                                                 activation=activation, num_valid=nv)
+    else:
+        result = reference.experts_reference(x, w13, w2, weights, ids, activation=activation, num_valid=nv)
+    out.copy_(result)
+    if health is not None:
+        rows = nv.row_mask(x.shape[0], x.device)
+        served = reference.valid_slot_mask(ids, w13.shape[0], nv)
+        health[DROPPED_SLOTS] += (rows[:, None] & ~served).sum()
 
 
-def _route_fake(logits, top_k, *args):  # type: ignore[no-untyped-def]
-    num_tokens = logits.shape[0]
-    weights = logits.new_empty((num_tokens, top_k), dtype=torch.float32)  # [T, K] float32
-    ids = logits.new_empty((num_tokens, top_k), dtype=torch.int32)  # [T, K] int32
-    return weights, ids
+def _no_output(*args: object) -> None:
+    return None
 
 
-def _experts_fake(x, *args):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x)  # [T, H] in x's dtype
-
-
-# Each op comes in two flavours, without and with a (required, mutated) health tensor: inductor
-# (torch 2.13) fails to lower a single-output op whose Optional mutated argument is None
-# ("getitem is not an OpOverload"), so the counter is never an Optional mutated argument.
-for _name, _impl, _fake, _args, _returns in (
-    ("route", _route_impl, _route_fake, _ROUTE_ARGS, "(Tensor, Tensor)"),
-    ("experts", _experts_impl, _experts_fake, _EXPERTS_ARGS, "Tensor"),
+for _name, _impl, _args, _mutated in (
+    ("route", _route_impl, _ROUTE_ARGS, ("weights_out", "ids_out")),
+    ("experts", _experts_impl, _EXPERTS_ARGS, ("workspace", "out")),
 ):
-    for _suffix, _mutates, _extra in (("", (), ""), ("_counted", ("health",), ", Tensor(a!) health")):
-        _op = torch.library.custom_op(
+    for _suffix, _extra in (("", ""), ("_counted", ", Tensor(z!) health")):
+        torch.library.custom_op(
             f"safemoe::{_name}{_suffix}",
             _impl,
-            mutates_args=_mutates,
-            schema=f"({_args}{_extra}) -> {_returns}",
-        )
-        _op.register_fake(_fake)
+            mutates_args=(*_mutated, *(("health",) if _extra else ())),
+            schema=f"({_args}{_extra}) -> ()",
+        ).register_fake(_no_output)
 
 
-def _zero_padding_impl(t: torch.Tensor, num_valid: torch.Tensor | None, num_valid_count: int | None) -> None:
-    _zero_padding_public(t, _join_num_valid(num_valid, num_valid_count))
+def _zero_padding_impl(t: torch.Tensor, num_valid: torch.Tensor | None, num_valid_count: int) -> None:
+    from safemoe.padding import zero_padding_rows
+
+    zero_padding_rows(t, _num_valid(num_valid, num_valid_count))
 
 
 torch.library.custom_op(
     "safemoe::zero_padding_",
     _zero_padding_impl,
     mutates_args=("t",),
-    schema="(Tensor(a!) t, Tensor? num_valid, SymInt? num_valid_count) -> ()",
-).register_fake(lambda t, num_valid, num_valid_count: None)
+    schema="(Tensor(a!) t, Tensor? num_valid, SymInt num_valid_count) -> ()",
+).register_fake(_no_output)
+
+
+# -- what the public functions and the layers call, arguments already checked --------------------
+
+def _nv_args(nv: NumValid, num_rows: int) -> tuple[torch.Tensor | None, int]:
+    return nv.tensor, (nv.count if nv.count is not None else num_rows)
 
 
 def route(
     logits: torch.Tensor,
-    top_k: int,
+    config: RouteConfig,
     *,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-    num_valid: int | torch.Tensor | None = None,
-    backend: str = "auto",
-    health: torch.Tensor | None = None,
+    bias: torch.Tensor | None,
+    num_valid: NumValid,
+    backend: str,
+    health: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`safemoe.route` through the registered op: returns (weights [T, K] f32, ids [T, K] i32)."""
-    nv_tensor, nv_count = split_num_valid(num_valid)
-    args = (
-        logits, top_k, scoring, renormalize, bias, n_group, topk_group, float(routed_scaling_factor),
-        nv_tensor, nv_count, backend,
-    )  # fmt: skip
+    """The `safemoe::route` op into new outputs: (weights [T, K] float32, ids [T, K] int32).
+    `backend` is resolved ("triton" or "reference")."""
+    num_tokens = logits.shape[0]
+    weights = torch.empty(num_tokens, config.top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, config.top_k, dtype=torch.int32, device=logits.device)
+    args = (logits, bias, *config.op_args(), *_nv_args(num_valid, num_tokens), backend, weights, ids)
     if health is None:
-        return torch.ops.safemoe.route(*args)
-    return torch.ops.safemoe.route_counted(*args, health)
+        torch.ops.safemoe.route(*args)
+    else:
+        torch.ops.safemoe.route_counted(*args, health)
+    return weights, ids
+
+
+# The reference backend takes no workspace; it gets this empty stand-in.
+_NO_DIMS = [0, 0, 0, 0, 0, 0]
 
 
 def experts(
@@ -238,24 +191,38 @@ def experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     *,
-    activation: str = "silu",
-    num_valid: int | torch.Tensor | None = None,
-    backend: str = "auto",
-    health: torch.Tensor | None = None,
-    workspace_id: int = -1,
+    activation: str,
+    num_valid: NumValid,
+    backend: str,
+    health: torch.Tensor | None,
+    workspace: Workspace | None,
+    fp8: Fp8Weights | None = None,
 ) -> torch.Tensor:
-    """`safemoe.experts` through the registered op: returns [T, H] in x's dtype."""
-    nv_tensor, nv_count = split_num_valid(num_valid)
-    args = (x, w13, w2, weights, ids, activation, nv_tensor, nv_count, backend, workspace_id)
+    """The `safemoe::experts` op into a new output [T, H] (x's dtype). `backend` is resolved; on
+    "triton" without a workspace a temporary one is allocated for the call."""
+    num_tokens = x.shape[0]
+    if backend == "triton":
+        if workspace is None:
+            num_experts, two_inter, hidden = w13.shape
+            workspace = Workspace(max(num_tokens, 1), num_experts, ids.shape[1], hidden, two_inter // 2,
+                                  x.dtype, x.device, fp8=fp8 is not None)
+        buffer, dims = workspace.op_args()
+    else:
+        buffer, dims = x.new_empty(0, dtype=torch.uint8), _NO_DIMS
+    out = torch.empty_like(x)
+    scales = (
+        (None, None, "", False) if fp8 is None else (fp8.w13_scale, fp8.w2_scale, fp8.mode, fp8.gate_up_split)
+    )
+    args = (x, w13, w2, *scales, weights, ids, activation, *_nv_args(num_valid, num_tokens), backend,
+            buffer, dims, out)
     if health is None:
-        return torch.ops.safemoe.experts(*args)
-    return torch.ops.safemoe.experts_counted(*args, health)
+        torch.ops.safemoe.experts(*args)
+    else:
+        torch.ops.safemoe.experts_counted(*args, health)
+    return out
 
 
-def zero_padding_(t: torch.Tensor, num_valid: int | torch.Tensor | None) -> torch.Tensor:
-    """`safemoe.zero_padding_` through the registered op (for use inside compiled code)."""
-    if num_valid is None:
-        return t
-    nv_tensor, nv_count = split_num_valid(num_valid)
-    torch.ops.safemoe.zero_padding_(t, nv_tensor, nv_count)
+def zero_padding_(t: torch.Tensor, num_valid: NumValid) -> torch.Tensor:
+    """The `safemoe::zero_padding_` op (for use inside compiled code); returns t."""
+    torch.ops.safemoe.zero_padding_(t, *_nv_args(num_valid, t.shape[0]))
     return t

@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from safemoe._checks import NumValid
-
-FLT_MAX = torch.finfo(torch.float32).max
-SENTINEL = -1
-
-# gpt-oss's clamped SwiGLU: alpha and limit as in its released model code.
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
+from safemoe.numerics import (
+    FLT_MAX,
+    FP8_AMAX_FLOOR,
+    FP8_BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    SENTINEL,
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+)
+from safemoe.route_config import RouteConfig
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -52,17 +57,16 @@ def topk_lowest_index(values: torch.Tensor, k: int, eligible: torch.Tensor | Non
 
 def route_reference(
     logits: torch.Tensor,
-    top_k: int,
+    top_k: int | RouteConfig,
     *,
-    scoring: str = "softmax",
-    renormalize: bool = True,
     bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
     num_valid: NumValid | None = None,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weights float32 [T, K], ids int32 [T, K]); arguments already validated."""
+    """Returns (weights float32 [T, K], ids int32 [T, K]); arguments already validated. The
+    routing config comes whole or as top_k plus its options (see `RouteConfig.of`)."""
+    config = RouteConfig.of(top_k, options)
+    top_k, scoring, n_group, topk_group = config.top_k, config.scoring, config.n_group, config.topk_group
     num_tokens, num_experts = logits.shape
     device = logits.device
     valid = (num_valid or NumValid(num_tokens, None)).row_mask(num_tokens, device)  # [T] bool
@@ -95,10 +99,10 @@ def route_reference(
     weights = torch.gather(scores, 1, ids)  # unbiased scores
 
     # 5. Renormalise in fp32; a zero sum stays zero, so weights are never NaN.
-    if renormalize:
+    if config.renormalize:
         total = weights.sum(dim=-1, keepdim=True)
         weights = torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
-    weights = weights * routed_scaling_factor
+    weights = weights * config.routed_scaling_factor
 
     # 6. Padded rows: ids -1, weights 0.
     ids = torch.where(valid[:, None], ids, SENTINEL).to(torch.int32)
@@ -198,13 +202,14 @@ def moe_reference(
     router_logits: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    top_k: int,
+    top_k: int | RouteConfig,
     *,
     activation: str = "silu",
     num_valid: NumValid | None = None,
-    **route_kwargs: object,
+    bias: torch.Tensor | None = None,
+    **options: Any,
 ) -> torch.Tensor:
-    weights, ids = route_reference(router_logits, top_k, num_valid=num_valid, **route_kwargs)  # type: ignore[arg-type]
+    weights, ids = route_reference(router_logits, top_k, bias=bias, num_valid=num_valid, **options)
     return experts_reference(x, w13, w2, weights, ids, activation=activation, num_valid=num_valid)
 
 
@@ -212,12 +217,6 @@ def moe_reference(
 # fp8 (e4m3) expert weights: the quantisation rules and the dequantised fp32 reference
 # ----------------------------------------------------------------------------------------------
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-FP8_BLOCK = 128  # DeepSeek-V3 block: 128x128 weight blocks, 1x128 activation groups
-# A group whose largest |value| is below this is scaled as if it were this (an all-zero group
-# would otherwise divide by a zero scale); the floor vLLM's per-token-group quantiser uses.
-FP8_AMAX_FLOOR = 1e-10
 
 
 def quantize_groups_reference(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

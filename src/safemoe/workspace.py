@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from safemoe.configs import MAX_BLOCK_M
+from safemoe.numerics import FP8_BLOCK, FP8_DTYPE
 
 _INDEX_DTYPE = torch.int32
-_FP8_DTYPE = torch.float8_e4m3fn
-_SCALE_GROUP = 128  # the 1x128 activation groups of the fp8 block mode
 
 
 def num_bins(num_experts: int) -> int:
@@ -58,21 +57,35 @@ def _meta_elems(num_experts: int) -> int:
 
 def _fp8_elems(max_tokens: int, cap: int, hidden: int, inter: int) -> tuple[int, int]:
     """(fp8 elements, fp32 scales) of the quantised x and intermediate."""
-    groups_h, groups_i = -(-hidden // _SCALE_GROUP), -(-inter // _SCALE_GROUP)
+    groups_h, groups_i = -(-hidden // FP8_BLOCK), -(-inter // FP8_BLOCK)
     return max_tokens * hidden + cap * inter, max_tokens * groups_h + cap * groups_i
+
+
+# Every segment of the one byte buffer starts on this boundary (vector loads, any element size).
+_SEGMENT_ALIGN = 256
+
+
+def _segments(max_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+              dtype: torch.dtype, fp8: bool) -> tuple[list[tuple[int, int, torch.dtype]], int]:
+    """[(byte offset, elements, dtype)] of index | data | fp8 | fp8 scales, and the total bytes."""
+    cap = capacity(max_tokens, num_experts, top_k)
+    parts = [(_meta_elems(num_experts) + cap, _INDEX_DTYPE),
+             (cap * inter + max_tokens * top_k * hidden, dtype)]
+    if fp8:
+        fp8_elems, scales = _fp8_elems(max_tokens, cap, hidden, inter)
+        parts += [(fp8_elems, FP8_DTYPE), (scales, torch.float32)]
+    segments, offset = [], 0
+    for elems, part_dtype in parts:
+        segments.append((offset, elems, part_dtype))
+        nbytes = elems * part_dtype.itemsize
+        offset += -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+    return segments, offset
 
 
 def workspace_bytes(max_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
                     dtype: torch.dtype, *, fp8: bool = False) -> int:
     """Bytes a `Workspace` of these dims allocates (computed without allocating)."""
-    cap = capacity(max_tokens, num_experts, top_k)
-    elem = torch.empty((), dtype=dtype).element_size()
-    index = torch.empty((), dtype=_INDEX_DTYPE).element_size()
-    total = (_meta_elems(num_experts) + cap) * index + (cap * inter + max_tokens * top_k * hidden) * elem
-    if fp8:
-        fp8_elems, scales = _fp8_elems(max_tokens, cap, hidden, inter)
-        total += fp8_elems + scales * 4
-    return total
+    return _segments(max_tokens, num_experts, top_k, hidden, inter, dtype, fp8)[1]
 
 
 @dataclass
@@ -134,21 +147,44 @@ class Workspace:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.capacity = cap
-        # The counters must start at zero (the dispatch kernel keeps them so afterwards).
-        self._index = torch.zeros(_meta_elems(num_experts) + cap, dtype=_INDEX_DTYPE, device=self.device)
-        self._data = torch.empty(cap * inter + max_tokens * top_k * hidden, dtype=dtype, device=self.device)
         self.fp8 = bool(fp8)
-        self._fp8: torch.Tensor | None = None
-        self._fp8_scales: torch.Tensor | None = None
-        if self.fp8:
-            fp8_elems, scales = _fp8_elems(max_tokens, cap, hidden, inter)
-            self._fp8 = torch.empty(fp8_elems, dtype=_FP8_DTYPE, device=self.device)
-            self._fp8_scales = torch.empty(scales, dtype=torch.float32, device=self.device)
+        # One zeroed byte buffer: the counters must start at zero (the dispatch kernel keeps them
+        # so afterwards), and one tensor is what the registered op carries (`op_args`).
+        _, nbytes = _segments(max_tokens, num_experts, top_k, hidden, inter, dtype, self.fp8)
+        self._bind(torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
+
+    def _bind(self, buffer: torch.Tensor) -> None:
+        """Carve the typed buffers out of `buffer` (views, no allocation)."""
+        self.buffer = buffer
+        segments, _ = _segments(self.max_tokens, self.num_experts, self.top_k, self.hidden, self.inter,
+                                self.dtype, self.fp8)
+        typed = [buffer[off : off + elems * dt.itemsize].view(dt)
+                 for off, elems, dt in segments]
+        self._index, self._data = typed[0], typed[1]
+        self._fp8: torch.Tensor | None = typed[2] if self.fp8 else None
+        self._fp8_scales: torch.Tensor | None = typed[3] if self.fp8 else None
+
+    # -- the op boundary: one tensor and the dims that lay it out --------------------------------
+    def op_args(self) -> tuple[torch.Tensor, list[int]]:
+        """(buffer, dims) for the registered `safemoe::experts` op; `Workspace.over` undoes it."""
+        dims = [self.max_tokens, self.num_experts, self.top_k, self.hidden, self.inter, int(self.fp8)]
+        return self.buffer, dims
+
+    @classmethod
+    def over(cls, buffer: torch.Tensor, dims: list[int], dtype: torch.dtype) -> Workspace:
+        """The workspace laid out over an existing `buffer` (from `op_args`), without allocating."""
+        ws = cls.__new__(cls)
+        max_tokens, num_experts, top_k, hidden, inter, fp8 = dims
+        ws.max_tokens, ws.num_experts, ws.top_k = max_tokens, num_experts, top_k
+        ws.hidden, ws.inter = hidden, inter
+        ws.dtype, ws.device, ws.fp8 = dtype, buffer.device, bool(fp8)
+        ws.capacity = capacity(max_tokens, num_experts, top_k)
+        ws._bind(buffer)
+        return ws
 
     @property
     def nbytes(self) -> int:
-        buffers = [self._index, self._data, self._fp8, self._fp8_scales]
-        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
+        return self.buffer.numel()
 
     def __repr__(self) -> str:
         return (

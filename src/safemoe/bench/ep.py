@@ -229,7 +229,7 @@ def _rank_case(
 
     from safemoe.distributed import EPMoE
     from safemoe.distributed.ep import wire_row_bytes
-    from safemoe.module import MoE
+    from safemoe.layer import MoE
     from safemoe.workspace import Workspace
 
     num_experts, top_k, hidden, inter = shape

@@ -92,7 +92,7 @@ class _Inputs:
 
 def _route_backend() -> str:
     try:
-        import safemoe.kernels.router  # noqa: F401
+        import safemoe.kernels.routing  # noqa: F401
     except ImportError:
         return "reference"
     return "triton"

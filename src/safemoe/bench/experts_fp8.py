@@ -91,7 +91,7 @@ class _Weights:
 
     def __init__(self, shape: tuple[int, int, int, int, str], device: torch.device, seed: int) -> None:
         from safemoe._checks import check_fp8_weights
-        from safemoe.quant import quantize_experts
+        from safemoe.fp8 import quantize_experts
 
         num_experts, _, hidden, inter, _ = shape
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -318,8 +318,8 @@ def _quantize_row(
 ) -> BenchRow:
     """The two quantisation launches of block mode alone, on the layout of a full call."""
     from safemoe.configs import get_config
+    from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
     from safemoe.kernels.experts import experts_triton
-    from safemoe.kernels.quant import quantize_positions_into, quantize_rows_into
     from safemoe.workspace import max_m_blocks
 
     num_experts, top_k, hidden, inter, activation = shape

@@ -50,7 +50,7 @@ CHECK_TOKENS = 64  # where the peers' outputs are compared with the reference
 
 def _triton_built() -> str | None:
     """None when the Triton kernels exist, else what is missing."""
-    for module in ("safemoe.kernels.router", "safemoe.kernels.experts"):
+    for module in ("safemoe.kernels.routing", "safemoe.kernels.experts"):
         if importlib.util.find_spec(module) is None:
             return f"not built yet ({module} missing)"
     return None

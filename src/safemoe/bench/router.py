@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from safemoe._checks import NumValid, RouteArgs
+from safemoe._checks import NumValid
 from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
@@ -47,6 +47,7 @@ from safemoe.bench.harness import (
     time_auto,
     time_graph,
 )
+from safemoe.route_config import RouteConfig
 
 SUITE = "router"
 
@@ -64,8 +65,8 @@ class Case:
     def grouped(self) -> bool:
         return self.n_group is not None and self.n_group > 1
 
-    def args(self) -> RouteArgs:
-        return RouteArgs(top_k=self.top_k, scoring=self.scoring, renormalize=True, n_group=self.n_group,
+    def args(self) -> RouteConfig:
+        return RouteConfig(top_k=self.top_k, scoring=self.scoring, renormalize=True, n_group=self.n_group,
                          topk_group=self.topk_group, routed_scaling_factor=1.0)
 
     def peer_kwargs(self) -> dict[str, Any]:
@@ -159,7 +160,7 @@ def contract_violations(weights: torch.Tensor, ids: torch.Tensor, num_experts: i
 
 def _safemoe_step(case: Case, inputs: Inputs, *, impl: str, config: Any = None) -> Callable[[int], object]:
     from safemoe.health import new_health_tensor
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     num_tokens = inputs.logits[0].shape[0]
     weights = torch.empty(num_tokens, case.top_k, dtype=torch.float32, device=inputs.logits[0].device)
@@ -245,7 +246,7 @@ def _device() -> torch.device:
 
 def _tune_case(name: str, case: Case, num_tokens: int, device: torch.device, quick: bool) -> tuple[Any, list]:
     """Time every candidate config on clean input; returns (fastest config, tuning records)."""
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     inputs = make_inputs(case, num_tokens, "clean", device)
     kwargs = {"calls_per_graph": 10, "replays": 15} if quick else {"calls_per_graph": 20, "replays": 30}
@@ -274,7 +275,7 @@ def run(ceilings: DeviceCeilings, *, quick: bool, tune: bool = False, out_dir: P
     (the tuning records go to `router_tuning.csv` in out_dir); out_dir: write results after each
     case, so a run cut short keeps what it measured."""
     from safemoe.bench.harness import write_results
-    from safemoe.kernels import router
+    from safemoe.kernels import routing as router
 
     device = _device()
     tokens = QUICK_TOKENS if quick else TOKENS

@@ -40,9 +40,9 @@ SAFEMOE, PEER = "safemoe", "peer"
 
 # The kernel modules each public op needs on the triton backend.
 TRITON_MODULES = {
-    "route": ("safemoe.kernels.router",),
+    "route": ("safemoe.kernels.routing",),
     "experts": ("safemoe.kernels.experts",),
-    "moe": ("safemoe.kernels.router", "safemoe.kernels.experts"),
+    "moe": ("safemoe.kernels.routing", "safemoe.kernels.experts"),
 }
 
 
@@ -185,7 +185,7 @@ class TritonAdapter(Adapter):
         **kwargs: Any,
     ) -> None:
         from safemoe import _checks
-        from safemoe.kernels.router import route_into
+        from safemoe.kernels.routing import route_into
 
         args = _checks.check_route_args(
             logits,

@@ -45,13 +45,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from safemoe import _checks
-from safemoe.experts import experts
+from safemoe import _checks, ops
+from safemoe._checks import NumValid
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, Health, check_health
-from safemoe.module import MoE, Router
+from safemoe.layer import MoE
+from safemoe.route_config import RouteConfig
 from safemoe.routing import Routing
+from safemoe.workspace import Workspace
 
 MODES = ("dynamic", "capacity")
 
@@ -246,7 +247,9 @@ def ep_experts(
     num_valid: int | torch.Tensor | None = None,
     backend: str = "auto",
     health: torch.Tensor | None = None,
-    workspace: Any = None,
+    workspace: Workspace | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert-parallel `safemoe.experts`: this rank's x [T, H] and routing (GLOBAL ids in [0, E)),
     this rank's experts w13 [E/W, 2I, H] and w2 [E/W, H, I]; returns [T, H] in x's dtype.
@@ -256,10 +259,20 @@ def ep_experts(
     capacity ("capacity" mode): rows per peer, None -> T, an int, or a float factor of T.
     health: DROPPED_SLOTS (ids outside [0, E) in valid rows, stray ids received) and, in
         "capacity" mode, EP_OVERFLOW_SLOTS (slots not sent for lack of capacity).
-    workspace: passed to the local `safemoe.experts` call, which sees W * C rows in "capacity"
-        mode and the received row count in "dynamic" mode.
+    workspace: passed to the local expert call, which sees W * C rows in "capacity" mode and the
+        received row count in "dynamic" mode.
+    w13_scale, w2_scale: fp8 (float8_e4m3fn) local experts' scales, as in `safemoe.experts`.
     """
-    num_tokens, local_experts, hidden, _ = _checks.check_experts_args(x, w13, w2, activation)
+    fp8 = None
+    if _checks.wants_fp8(w13, w2, w13_scale, w2_scale):
+        num_tokens, local_experts, hidden, _, fp8 = _checks.check_fp8_experts_args(
+            x, w13, w2, w13_scale, w2_scale, activation
+        )
+    else:
+        num_tokens, local_experts, hidden, _ = _checks.check_experts_args(x, w13, w2, activation)
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a safemoe.Workspace or None, got {type(workspace).__name__}")
+    backend = _checks.resolve_backend(_checks.check_backend(backend), x.device)
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a safemoe.Routing, got {type(routing).__name__}")
     _checks.check_routing_tensors(routing.ids, routing.weights, num_tokens, x.device)
@@ -323,10 +336,11 @@ def ep_experts(
     local_ids, ok = layout.to_local(global_ids)
     if health is not None:
         health[DROPPED_SLOTS] += ((global_ids != -1) & ~ok).sum()  # strays: not ours, not empty
-    local_routing = Routing(weights=torch.where(ok, weights_recv, 0.0), ids=local_ids)
-    y = experts(
-        x_recv, w13, w2, local_routing, activation=activation, backend=backend, workspace=workspace
-    )  # [recv rows, H]
+    y = ops.experts(
+        x_recv, w13, w2, torch.where(ok, weights_recv, 0.0), local_ids, activation=activation,
+        num_valid=NumValid(count=x_recv.shape[0], tensor=None), backend=backend, health=None,
+        workspace=workspace, fp8=fp8,
+    )  # [recv rows, H], through the registered op
 
     # 4. Send the partial outputs back; the extra zero row answers every row_of pointing at trash.
     row_bytes = y.shape[1] * y.element_size()
@@ -342,19 +356,19 @@ def ep_experts(
     return out.to(x.dtype)
 
 
-class EPMoE(nn.Module):
-    """An expert-parallel MoE layer: the router is replicated, the experts split over the ranks.
+class EPMoE(MoE):
+    """An expert-parallel MoE layer: `safemoe.MoE` whose routed experts run across ranks. The
+    router (and any shared expert) is replicated; the experts are split over the ranks.
 
-    Parameters on rank r: `gate.weight` [E, H] (+ `gate.bias`, `gate.selection_bias` as in
-    `safemoe.MoE`), `w13` [E/W, 2I, H] and `w2` [E/W, H, I] holding global experts
+    Parameters on rank r: those of `safemoe.MoE`, with `w13` [E/W, 2I, H] and `w2` [E/W, H, I]
+    (or their fp8 form with `w13_scale` / `w2_scale` sliced alike) holding global experts
     [r * E/W, (r + 1) * E/W). The router must hold the same weights on every rank: build with
     `EPMoE.from_moe(moe)` or load them (`load_experts` slices a global [E, ...] tensor).
 
     mode: "dynamic" (exact sizes, one host sync per call) or "capacity" (fixed `capacity` rows per
         peer, CUDA-graph capturable); see safemoe.distributed.ep.
-    group: the process group (None: default). workspace / health / backend as in `safemoe.MoE`.
+    group: the process group (None: default). Every other argument as in `safemoe.MoE`.
     forward(x [..., H], num_valid) -> [..., H]; rows at or past num_valid come out as exact zeros.
-    Not supported here: expert biases and shared experts (run a shared expert data-parallel).
     """
 
     def __init__(
@@ -362,65 +376,21 @@ class EPMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         num_experts: int,
-        top_k: int,
+        top_k: int | RouteConfig,
         *,
         group: Any = None,
         mode: str = "dynamic",
         capacity: int | float | None = None,
-        scoring: str = "softmax",
-        renormalize: bool = True,
-        n_group: int | None = None,
-        topk_group: int | None = None,
-        routed_scaling_factor: float = 1.0,
-        activation: str = "silu",
-        router_bias: bool = False,
-        selection_bias: bool = False,
-        router_logits_fp32: bool = False,
-        workspace: Any = None,
-        health: Health | torch.Tensor | None = None,
-        backend: str = "auto",
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        **moe_options: Any,
     ) -> None:
-        super().__init__()
-        if activation not in _checks.ACTIVATIONS:
-            raise ValueError(f"activation must be one of {_checks.ACTIVATIONS}, got {activation!r}")
-        self.layout = EPLayout.of_group(num_experts, group)
+        layout = EPLayout.of_group(num_experts, group)
+        mode = check_mode(mode, capacity)
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k,
+                         local_experts=layout.experts_per_rank, **moe_options)
+        self.layout = layout
         self.group = group
-        self.mode = check_mode(mode, capacity)
+        self.mode = mode
         self.capacity = capacity
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.activation = activation
-        self.backend = _checks.check_backend(backend)
-        self.workspace = workspace
-        factory: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.gate = Router(
-            hidden_size,
-            num_experts,
-            top_k,
-            scoring=scoring,
-            renormalize=renormalize,
-            n_group=n_group,
-            topk_group=topk_group,
-            routed_scaling_factor=routed_scaling_factor,
-            bias=router_bias,
-            selection_bias=selection_bias,
-            logits_fp32=router_logits_fp32,
-            backend=backend,
-            **factory,
-        )
-        local = self.layout.experts_per_rank
-        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **factory))
-        self.w2 = nn.Parameter(torch.empty(local, hidden_size, intermediate_size, **factory))
-        if self.w13.device.type != "meta":
-            with torch.no_grad():
-                self.w13.normal_(0.0, 0.02)
-                self.w2.normal_(0.0, 0.02)
-        self._health: torch.Tensor | None = None
-        self.set_health(health)
 
     @classmethod
     def from_moe(
@@ -430,84 +400,78 @@ class EPMoE(nn.Module):
         group: Any = None,
         mode: str = "dynamic",
         capacity: int | float | None = None,
-        workspace: Any = None,
+        workspace: Workspace | None = None,
         health: Health | torch.Tensor | None = None,
         backend: str | None = None,
     ) -> EPMoE:
-        """This rank's share of a `safemoe.MoE` (same router on every rank, experts sliced)."""
-        if getattr(moe, "expert_bias", False) or getattr(moe, "shared_expert", None) is not None:
-            raise ValueError("EPMoE.from_moe: expert biases and shared experts are not supported")
+        """This rank's share of a `safemoe.MoE` (the same router, shared expert and expert biases
+        on every rank; the experts, fp8 or not, sliced to this rank's block)."""
+        if not isinstance(moe, MoE):
+            raise TypeError(f"EPMoE.from_moe takes a safemoe.MoE, got {type(moe).__name__}")
         gate = moe.gate
         ep = cls(
             moe.hidden_size,
             moe.intermediate_size,
             moe.num_experts,
-            moe.top_k,
+            moe.route_config,
             group=group,
             mode=mode,
             capacity=capacity,
-            scoring=gate.scoring,
-            renormalize=gate.renormalize,
-            n_group=gate.n_group,
-            topk_group=gate.topk_group,
-            routed_scaling_factor=gate.routed_scaling_factor,
             activation=moe.activation,
             router_bias=gate.bias is not None,
             selection_bias=gate.selection_bias is not None,
             router_logits_fp32=gate.logits_fp32,
-            workspace=workspace,
+            expert_bias=moe.expert_bias,
             health=health,
             backend=moe.backend if backend is None else backend,
-            dtype=moe.w13.dtype,
-            device=moe.w13.device,
+            dtype=gate.weight.dtype,
+            device=gate.weight.device,
         )
         with torch.no_grad():
-            ep.gate.weight.copy_(gate.weight)
-            if gate.bias is not None and ep.gate.bias is not None:
-                ep.gate.bias.copy_(gate.bias)
-            if gate.selection_bias is not None and ep.gate.selection_bias is not None:
-                ep.gate.selection_bias.copy_(gate.selection_bias)
-        ep.load_experts(moe.w13, moe.w2)
+            ep.gate.load_state_dict(gate.state_dict())
+            if moe.w2_bias is not None and ep.w2_bias is not None:
+                ep.w2_bias.copy_(moe.w2_bias)
+        ep.shared_expert, ep.shared_expert_gate = moe.shared_expert, moe.shared_expert_gate
+        first, local = ep.layout.first_expert, ep.layout.experts_per_rank
+        if moe.quant is not None:
+            assert moe.w13_scale is not None and moe.w2_scale is not None
+            ep.set_fp8_experts(*(t[first : first + local].contiguous()
+                                 for t in (moe.w13, moe.w2, moe.w13_scale, moe.w2_scale)))
+        else:
+            with torch.no_grad():
+                ep.w13.copy_(moe.w13[first : first + local])
+                ep.w2.copy_(moe.w2[first : first + local])
+        ep.set_workspace(workspace)
         return ep
 
-    @property
-    def health(self) -> torch.Tensor | None:
-        return self._health
-
-    def set_health(self, health: Health | torch.Tensor | None) -> None:
-        """Make the router and the exchange add to `health` (a Health or its tensor); None: off."""
-        tensor = health.tensor if isinstance(health, Health) else health
-        if tensor is not None:
-            check_health(tensor, tensor.device)
-        self._health = tensor
-        self.gate.health = tensor
-
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def load_experts(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+    ) -> None:
         """Copy expert weights in: global [E, 2I, H] / [E, H, I] (this rank's block is taken) or
-        already local [E/W, ...]."""
+        already local [E/W, ...]; biases as in `MoE.load_experts` (w13_bias sliced alike, w2_bias
+        global [E, H])."""
         first, local = self.layout.first_expert, self.layout.experts_per_rank
-        with torch.no_grad():
-            for name, param, src in (("w13", self.w13, w13), ("w2", self.w2, w2)):
-                if src.shape[0] == self.num_experts and self.num_experts != local:
-                    src = src[first : first + local]
-                if tuple(src.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"{name} must be [E={self.num_experts}, ...] or [E/W={local}, ...] with "
-                        f"trailing dims {tuple(param.shape[1:])}, got {tuple(src.shape)}"
-                    )
-                param.copy_(src)
+        sliced = []
+        for name, src in (("w13", w13), ("w2", w2), ("w13_bias", w13_bias)):
+            if src is not None and src.shape[0] == self.num_experts and self.num_experts != local:
+                src = src[first : first + local]
+            if src is not None and src.shape[0] != local:
+                raise ValueError(
+                    f"{name} must hold E={self.num_experts} or E/W={local} experts, got {tuple(src.shape)}"
+                )
+            sliced.append(src)
+        assert sliced[0] is not None and sliced[1] is not None
+        super().load_experts(sliced[0], sliced[1], sliced[2], w2_bias)
 
-    def forward(self, x: torch.Tensor, num_valid: int | torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., H] -> [..., H]; rows (of the flattened x) at or past num_valid come out as zeros."""
-        shape = x.shape
-        if shape[-1] != self.hidden_size:
-            raise ValueError(f"x must end with H={self.hidden_size}, got shape {tuple(shape)}")
-        x2 = x.reshape(-1, self.hidden_size)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        weights, ids = self.gate(x2, num_valid)  # [T, K] f32, [T, K] i32, global ids
-        out = ep_experts(
-            x2,
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 nv: NumValid) -> torch.Tensor:
+        fp8 = self._fp8()
+        return ep_experts(
+            x,
             self.w13,
             self.w2,
             Routing(weights=weights, ids=ids),
@@ -516,18 +480,17 @@ class EPMoE(nn.Module):
             mode=self.mode,
             capacity=self.capacity,
             activation=self.activation,
-            num_valid=num_valid,
+            num_valid=nv.tensor if nv.tensor is not None else nv.count,
             backend=self.backend,
             health=self._health,
-            workspace=self.workspace,
+            workspace=self._workspace,
+            w13_scale=None if fp8 is None else fp8.w13_scale,
+            w2_scale=None if fp8 is None else fp8.w2_scale,
         )
-        return out.view(shape)
 
     def extra_repr(self) -> str:
         lay = self.layout
         return (
-            f"H={self.hidden_size}, I={self.intermediate_size}, E={self.num_experts}, K={self.top_k}, "
-            f"rank={lay.rank}/{lay.world_size}, experts=[{lay.first_expert}, "
-            f"{lay.first_expert + lay.experts_per_rank}), mode={self.mode}, capacity={self.capacity}, "
-            f"activation={self.activation}, backend={self.backend}"
+            f"{super().extra_repr()}, rank={lay.rank}/{lay.world_size}, experts=[{lay.first_expert}, "
+            f"{lay.first_expert + lay.experts_per_rank}), mode={self.mode}, capacity={self.capacity}"
         )

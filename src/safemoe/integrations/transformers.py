@@ -21,7 +21,7 @@ shared experts are the model's own modules. gpt-oss stores `gate_up_proj` transp
 [E, H, 2I] with gate and up interleaved column by column, and `down_proj` transposed: those are
 de-interleaved and transposed once, at patch time (a copy of the expert weights; the original
 tensors are released with the old block), and the gate/up bias is folded into w13 (see
-`safemoe.module`).
+`safemoe.layer`).
 
 Padding: every patched block reads the model's shared `num_valid` (None, an int or a 0-dim device
 tensor) set with `set_num_valid`; rows of the flattened [batch * seq] tokens at or past it are
@@ -42,9 +42,12 @@ import torch
 from torch import nn
 
 from safemoe import _checks
+from safemoe.fp8 import QUANT_MODES
 from safemoe.health import Health
-from safemoe.module import MoE, fold_expert_biases
-from safemoe.reference import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from safemoe.layer import MoE, fold_expert_biases
+from safemoe.numerics import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from safemoe.route_config import RouteConfig
+from safemoe.workspace import Workspace
 
 # transformers' hidden_act names -> safemoe activations (the gated form: act(gate) * up).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
@@ -103,7 +106,8 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else nn.Parameter(t.detach().contiguous(), requires_grad=False)
 
 
-def _build_standard(block: Any, router: Any, experts: Any, *, where: str, **route: Any) -> MoE:
+def _build_standard(block: Any, router: Any, experts: Any, config: RouteConfig, *, where: str,
+                    **layer_flags: Any) -> MoE:
     """A MoE over the fused [E, 2I, H] / [E, H, I] experts most v5 models share."""
     w13, w2 = experts.gate_up_proj, experts.down_proj
     num_experts, two_inter, hidden = w13.shape
@@ -113,11 +117,11 @@ def _build_standard(block: Any, router: Any, experts: Any, *, where: str, **rout
         hidden,
         two_inter // 2,
         num_experts,
-        int(router.top_k),
+        config,
         activation=_activation(experts, where),
         dtype=w13.dtype,
         device="meta",
-        **route,
+        **layer_flags,
     )
     _adopt(moe.gate, "weight", router.weight)
     _adopt(moe, "w13", _contiguous(w13))
@@ -126,9 +130,8 @@ def _build_standard(block: Any, router: Any, experts: Any, *, where: str, **rout
 
 
 def _qwen3(block: Any, where: str) -> MoE:
-    return _build_standard(
-        block, block.gate, block.experts, where=where, renormalize=bool(block.gate.norm_topk_prob)
-    )
+    config = RouteConfig(int(block.gate.top_k), renormalize=bool(block.gate.norm_topk_prob))
+    return _build_standard(block, block.gate, block.experts, config, where=where)
 
 
 def _olmoe(block: Any, where: str) -> MoE:
@@ -136,7 +139,8 @@ def _olmoe(block: Any, where: str) -> MoE:
 
 
 def _mixtral(block: Any, where: str) -> MoE:
-    return _build_standard(block, block.gate, block.experts, where=where, renormalize=True)
+    config = RouteConfig(int(block.gate.top_k), renormalize=True)
+    return _build_standard(block, block.gate, block.experts, config, where=where)
 
 
 def _qwen2(block: Any, where: str) -> MoE:
@@ -148,18 +152,16 @@ def _qwen2(block: Any, where: str) -> MoE:
 
 def _deepseek_v3(block: Any, where: str) -> MoE:
     router = block.gate
-    moe = _build_standard(
-        block,
-        router,
-        block.experts,
-        where=where,
+    config = RouteConfig(
+        int(router.top_k),
         scoring="sigmoid",
         renormalize=bool(router.norm_topk_prob),
-        selection_bias=True,
         n_group=int(router.num_group),
         topk_group=int(router.topk_group),
         routed_scaling_factor=float(router.routed_scaling_factor),
-        router_logits_fp32=True,
+    )
+    moe = _build_standard(
+        block, router, block.experts, config, where=where, selection_bias=True, router_logits_fp32=True
     )
     _adopt(moe.gate, "selection_bias", router.e_score_correction_bias)
     moe.shared_expert = block.shared_experts
@@ -189,9 +191,8 @@ def _gpt_oss(block: Any, where: str) -> MoE:
         hidden,
         two_inter // 2,
         num_experts,
-        int(router.top_k),
-        scoring="softmax",
-        renormalize=True,  # softmax over the top-k logits == full softmax renormalized over top-k
+        # softmax over the top-k logits == full softmax renormalized over top-k
+        RouteConfig(int(router.top_k), scoring="softmax", renormalize=True),
         activation="swigluoai",
         router_bias=True,
         expert_bias=True,
@@ -233,17 +234,27 @@ def patch(
     model: nn.Module,
     *,
     backend: str = "auto",
-    workspace: Any = None,
+    workspace: Workspace | None = None,
     health: Health | torch.Tensor | None = None,
+    quant: str | None = None,
 ) -> nn.Module:
     """Replace every supported MoE block of `model` by a `SafeMoEBlock`, in place; returns `model`.
 
     backend: "auto", "triton" or "reference" for every block. workspace: one `safemoe.Workspace`
-    shared by all blocks. health: one `safemoe.Health` (or tensor) all blocks add to.
+    shared by all blocks (with `fp8=True` when quant is set). health: one `safemoe.Health` (or
+    tensor) all blocks add to. quant: None (the model's dtype), "per_tensor" or "block": each
+    block's experts are quantised to fp8 (`MoE.quantize_`) and run on the fp8 kernels; the model
+    must be bf16 or fp16.
     Raises ValueError naming the class when the model has an MoE block safemoe does not support,
     or no MoE block at all.
     """
     backend = _checks.check_backend(backend)
+    if quant is not None and quant not in QUANT_MODES:
+        raise ValueError(f"quant must be None or one of {QUANT_MODES}, got {quant!r}")
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a safemoe.Workspace or None, got {type(workspace).__name__}")
+    if quant is not None and workspace is not None and not workspace.fp8:
+        raise ValueError(f"quant={quant!r} needs a workspace made with fp8=True, got {workspace!r}")
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, SafeMoEBlock):
@@ -271,6 +282,8 @@ def patch(
         builder, returns_pair = _BUILDERS[cls]
         moe = builder(block, f"{cls} at {name}")
         moe.backend = moe.gate.backend = backend
+        if quant is not None:
+            moe.quantize_(quant)
         moe.set_workspace(workspace)
         moe.set_health(health)
         parent, attr = _parent_and_attr(model, name)

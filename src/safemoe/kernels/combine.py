@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.kernels.dispatch import _load_num_valid, launch_options, wait_for_previous_kernel
+from safemoe.kernels.launch import launch_options, load_num_valid, wait_for_previous_kernel
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def _combine_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
+    num_valid = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < hidden

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
+from safemoe.kernels.launch import launch_options, load_num_valid, wait_for_previous_kernel
 from safemoe.workspace import WorkspaceViews, capacity, num_bins
 
 # Slots per program of count/scatter. Whenever num_valid * K <= CHUNK (read on the device) one
@@ -40,26 +41,6 @@ from safemoe.workspace import WorkspaceViews, capacity, num_bins
 # chunk per program took 17-41 us at 16-64k slots on an H200, mostly per-program serial work).
 CHUNK = 1024
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
-
-
-@triton.jit
-def wait_for_previous_kernel(USE_PDL: tl.constexpr):
-    """With programmatic dependent launch: wait until the previous kernel has finished and its
-    writes are visible (before this kernel reads anything), then let the next kernel launch."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR: tl.constexpr):
-    """num_valid from the device (clamped to [0, T]) or the host int."""
-    if HAS_NUM_VALID_PTR:
-        count = tl.load(num_valid_ptr).to(tl.int64)
-        count = tl.minimum(tl.maximum(count, 0), num_tokens)
-        return count.to(tl.int32)
-    else:
-        return num_valid_count
 
 
 @triton.jit
@@ -128,7 +109,7 @@ def _count_kernel(
 ):
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
-    num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
+    num_valid = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     valid_slots = num_valid * TOP_K
     slots = pid * CHUNK + tl.arange(0, CHUNK)
     bins = tl.arange(0, NUM_BINS)
@@ -191,26 +172,13 @@ def _scatter_kernel(
 ):
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
-    num_valid = _load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
+    num_valid = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
     valid_slots = num_valid * TOP_K
     # With one chunk of valid slots the count kernel scattered them already.
     if (valid_slots > CHUNK) & (pid * CHUNK < valid_slots):
         slots = pid * CHUNK + tl.arange(0, CHUNK)
         expert, served, _ = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
         _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
-
-
-def pdl_supported() -> bool:
-    """Whether this triton accepts `launch_pdl` (programmatic dependent launch) as a launch option."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-def launch_options(use_pdl: bool) -> dict[str, bool]:
-    return {"launch_pdl": True} if use_pdl else {}
 
 
 def dispatch_into(

@@ -35,10 +35,11 @@ import triton.language as tl
 from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
 from safemoe.configs import ExpertsConfig, GemmTiles, get_config
+from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
 from safemoe.kernels.combine import combine_into
-from safemoe.kernels.dispatch import dispatch_into, launch_options, pdl_supported, wait_for_previous_kernel
-from safemoe.kernels.quant import quantize_positions_into, quantize_rows_into
-from safemoe.reference import FP8_BLOCK
+from safemoe.kernels.dispatch import dispatch_into
+from safemoe.kernels.launch import launch_options, pdl_supported, persistent_grid, wait_for_previous_kernel
+from safemoe.numerics import FP8_BLOCK, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from safemoe.workspace import Fp8Views, Workspace, WorkspaceViews, max_m_blocks, num_bins
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2}
@@ -47,6 +48,8 @@ SMALL_BATCH_TOKENS = 8
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 # fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
+_SWIGLUOAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLUOAI_ALPHA)
+_SWIGLUOAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLUOAI_LIMIT)
 _QUANT_CODES = {None: 0, "per_tensor": 1, "block": 2}
 
 
@@ -59,9 +62,9 @@ def _activation(gate, up, ACTIVATION: tl.constexpr):
         # tanh(z) = 2 * sigmoid(2z) - 1 (no tanh in every triton's tl.math)
         return 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner)) * up
     else:
-        gate = tl.minimum(gate, 7.0)
-        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
-        return gate * tl.sigmoid(1.702 * gate) * (up + 1.0)
+        gate = tl.minimum(gate, _SWIGLUOAI_LIMIT)
+        up = tl.minimum(tl.maximum(up, -_SWIGLUOAI_LIMIT), _SWIGLUOAI_LIMIT)
+        return gate * tl.sigmoid(gate * _SWIGLUOAI_ALPHA) * (up + 1.0)
 
 
 @triton.jit
@@ -332,17 +335,6 @@ def _gemm2_kernel(
         tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < hidden)[None, :])
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _grid_size(tiles: int, device: torch.device, programs_per_sm: int) -> int:
-    if device.type != "cuda":
-        return max(1, min(tiles, 8))
-    return max(1, min(tiles, _num_sms(device.index or 0) * programs_per_sm))
-
-
 @functools.lru_cache(maxsize=1)
 def _tensor_descriptor_class() -> type | None:
     try:
@@ -437,7 +429,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         a_scale, w_scale = fp8.views.x_scale, fp8.weights.w13_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
-    grid = (_grid_size(max_tiles, x.device, cfg.programs_per_sm),)
+    grid = (persistent_grid(max_tiles, x.device, cfg.programs_per_sm),)
     _gemm1_kernel[grid](
         a, _weight_operand(w13, tiles), views.sorted_slots, views.block_end, views.num_blocks[layout:],
         a_scale, w_scale,
@@ -470,7 +462,7 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         strides = _weight_scale_strides(w_scale, fp8.weights.mode)
     del strides["up_scale_row"], strides["up_scale_offset"]
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
-    grid = (_grid_size(max_tiles, w2.device, cfg.programs_per_sm),)
+    grid = (persistent_grid(max_tiles, w2.device, cfg.programs_per_sm),)
     _gemm2_kernel[grid](
         a, _weight_operand(w2, tiles), weights, views.sorted_slots, views.block_end,
         views.num_blocks[layout:], a_scale, w_scale,
@@ -538,7 +530,7 @@ def experts_triton(
     do not depend on what padding rows hold.
 
     fp8 (w13, w2 float8_e4m3fn with `fp8`'s scales; x bf16/fp16; the workspace needs fp8
-    buffers): x's rows < num_valid are quantised first (kernels/quant.py: per token, or 1x128
+    buffers): x's rows < num_valid are quantised first (kernels/act_quant.py: per token, or 1x128
     groups in block mode), GEMM1 multiplies fp8 x fp8 and dequantises (per-tensor: in its
     epilogue; block: each 128-wide K step), stores the intermediate in x's dtype, a second
     quantisation pass turns the used positions into fp8 rows with their own scales, and GEMM2

@@ -119,7 +119,7 @@ def module(ctx: CaseContext, **p: Any) -> None:
     kwargs = MODULE_CONFIGS[p["model"]]
     layer = safemoe.MoE(hidden, inter, backend=backend, dtype=dtype, device=ctx.device, **kwargs).eval()
     _randomize(layer, ctx.generator)
-    if layer.expert_bias:  # keep the folded layout's padding columns zero (see safemoe.module)
+    if layer.expert_bias:  # keep the folded layout's padding columns zero (see safemoe.layer)
         with torch.no_grad():
             layer.w13[:, :, hidden + 1 :].zero_()
             layer.w13[:, :, hidden] *= 0.5

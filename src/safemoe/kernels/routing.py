@@ -41,10 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
-from safemoe._checks import NumValid, RouteArgs
+from safemoe._checks import NumValid
 from safemoe.health import HEALTH_SLOTS, NONFINITE_ROWS, PADDED_ROWS
+from safemoe.numerics import FLT_MAX as _FLT_MAX
+from safemoe.route_config import RouteConfig
 
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
+FLT_MAX = tl.constexpr(_FLT_MAX)
 DEAD = tl.constexpr(-(2**31))  # below _ordered(-FLT_MAX) = 0x80800000 (see step 3 above)
 _NONFINITE_ROWS = tl.constexpr(NONFINITE_ROWS)
 _PADDED_ROWS = tl.constexpr(PADDED_ROWS)
@@ -372,7 +374,7 @@ def _check_outputs(weights_out: torch.Tensor, ids_out: torch.Tensor, num_tokens:
 
 def _launch(
     logits: torch.Tensor,
-    args: RouteArgs,
+    args: RouteConfig,
     *,
     bias: torch.Tensor | None,
     num_valid: NumValid,
@@ -422,7 +424,7 @@ def _launch(
 
 def route_into(
     logits: torch.Tensor,
-    args: RouteArgs,
+    args: RouteConfig,
     *,
     bias: torch.Tensor | None,
     num_valid: NumValid,
@@ -445,7 +447,7 @@ def route_into(
 
 def route_triton(
     logits: torch.Tensor,
-    args: RouteArgs,
+    args: RouteConfig,
     *,
     bias: torch.Tensor | None,
     num_valid: NumValid,

@@ -24,17 +24,15 @@ fp32 -> fp8 cast neither rounds to nearest even nor carries a mantissa overflow 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.kernels.dispatch import _load_num_valid, launch_options, wait_for_previous_kernel
-from safemoe.reference import FP8_AMAX_FLOOR, FP8_MAX
+from safemoe.kernels.launch import launch_options, load_num_valid, persistent_grid, wait_for_previous_kernel
+from safemoe.numerics import FLT_MAX, FP8_AMAX_FLOOR, FP8_MAX
 
-_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+_FLT_MAX: tl.constexpr = tl.constexpr(FLT_MAX)
 _FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(FP8_AMAX_FLOOR)
 # 1.5 * 2^23: adding then subtracting it rounds an fp32 of magnitude < 2^22 to an integer, ties
@@ -105,7 +103,7 @@ def _quantize_kernel(
     if SORTED:
         limit = tl.maximum(tl.load(count_ptr) * block_m0, tl.load(count_ptr + 1) * block_m1)
     else:
-        limit = _load_num_valid(count_ptr, count, num_rows, HAS_NUM_VALID_PTR)
+        limit = load_num_valid(count_ptr, count, num_rows, HAS_NUM_VALID_PTR)
     # One work item = BLOCK_R rows x one group, so the groups of a row run in parallel (a program
     # walking a row's 56 groups of 128 one after another took ~400 us at H = 7168, H200).
     for item in range(tl.program_id(0), tl.cdiv(limit, BLOCK_R) * num_groups, tl.num_programs(0)):
@@ -148,11 +146,6 @@ def _quantize_kernel(
                 tl.store(q_ptr + offsets, _codes(v, divisor, is_bad).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Longest group quantised from registers in one load (fp32: 64 values a thread at 8 warps); a
 # longer one (a per-token group past 16384 columns) takes two passes over 1024-column chunks.
 _MAX_ONE_CHUNK = 16384
@@ -171,9 +164,7 @@ def _tiles(group_len: int) -> tuple[int, int, bool, int]:
 
 
 def _grid(items: int, device: torch.device) -> tuple[int]:
-    if device.type != "cuda":
-        return (max(1, min(items, 8)),)
-    return (max(1, min(items, _num_sms(device.index or 0) * 8)),)
+    return (persistent_grid(items, device, programs_per_sm=8),)
 
 
 def quantize_rows_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_len: int,

@@ -1,0 +1,56 @@
+"""Launch helpers every kernel module shares: reading `num_valid` on the device, programmatic
+dependent launch (PDL), and the SM count that sizes persistent grids."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel has finished and its
+    writes are visible (before this kernel reads anything), then let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR: tl.constexpr):
+    """num_valid from the device (clamped to [0, T]) or the host int."""
+    if HAS_NUM_VALID_PTR:
+        count = tl.load(num_valid_ptr).to(tl.int64)
+        count = tl.minimum(tl.maximum(count, 0), num_tokens)
+        return count.to(tl.int32)
+    else:
+        return num_valid_count
+
+
+def pdl_supported() -> bool:
+    """Whether this triton accepts `launch_pdl` (programmatic dependent launch) as a launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def launch_options(use_pdl: bool) -> dict[str, bool]:
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_grid(items: int, device: torch.device, programs_per_sm: int, cpu_programs: int = 8) -> int:
+    """Programs of a persistent grid over `items` work items: at most `programs_per_sm` per SM on
+    CUDA, `cpu_programs` under the interpreter (which runs programs one after another anyway)."""
+    if device.type != "cuda":
+        return max(1, min(items, cpu_programs))
+    return max(1, min(items, num_sms(device.index or 0) * programs_per_sm))
