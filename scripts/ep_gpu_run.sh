@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Expert parallelism on a host with >= 2 GPUs: the NCCL tests (tests/gpu/test_distributed_gpu.py)
+# Expert parallelism on a host with >= 2 GPUs: the NCCL tests (tests/test_distributed.py -m gpu)
 # and the `ep` bench suite, with NVLink multicast off. Runs from a checkout with PYTHONPATH=src.
 #
 #   bash scripts/ep_gpu_run.sh OUT_DIR
@@ -46,7 +46,7 @@ record() {  # stage rc detail
 }
 
 echo "== tests (limit ${TESTS_TIMEOUT} s) =="
-timeout -s INT --kill-after=15 "$TESTS_TIMEOUT" python3 -m pytest tests/gpu/test_distributed_gpu.py -q \
+timeout -s INT --kill-after=15 "$TESTS_TIMEOUT" python3 -m pytest tests/test_distributed.py -m gpu -q \
     -p no:cacheprovider -rfE > "$OUT_DIR/tests.log" 2>&1
 rc=$?
 counts=$(grep -E "(passed|failed|error|skipped)" "$OUT_DIR/tests.log" | tail -n 1 | tr -d '=' | xargs)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterable
 
+import pytest
 import torch
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -141,3 +144,98 @@ def garbage_ids(num_tokens: int, top_k: int, num_experts: int, *,
         dup = torch.rand(num_tokens, generator=generator) < 0.3
         ids[:, 1] = torch.where(dup, ids[:, 0], ids[:, 1])
     return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices: one test body, parametrised over where the Triton kernels run
+# ---------------------------------------------------------------------------------------------
+
+DEVICES = ("cpu", "cuda")
+# Set by conftest.py on a machine without CUDA (before anything imports triton), as safemoe does.
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_skip_reason(device: str) -> str | None:
+    """Why the Triton kernels cannot run on `device` here, or None."""
+    if device == "cpu" and not INTERPRETER:
+        return ("cpu: the Triton interpreter is off (TRITON_INTERPRET is not 1, as on a CUDA machine), "
+                "so Triton kernels cannot run on CPU tensors")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return "needs a CUDA device"
+        if INTERPRETER:
+            return "cuda: TRITON_INTERPRET=1 is set; compiled kernels need it unset"
+    return None
+
+
+def device_marks(device: str) -> list:
+    """The cuda variant is marked gpu (conftest skips those without CUDA; `-m gpu` selects them);
+    a variant this machine cannot run is skipped with the reason."""
+    marks = [pytest.mark.gpu] if device == "cuda" else []
+    reason = device_skip_reason(device)
+    if reason is not None:
+        marks.append(pytest.mark.skip(reason=reason))
+    return marks
+
+
+def device_param(device: str, *values: object, marks: Iterable = (), id: str | None = None):
+    """One pytest.param whose first value is the device, carrying that device's marks."""
+    return pytest.param(device, *values, marks=[*device_marks(device), *marks], id=id)
+
+
+def by_device(*, cpu: Iterable = (), cuda: Iterable = ()) -> list:
+    """Parameters for ("device", *names): each device's own cases, so shapes that differ between
+    the interpreter (small) and a GPU (model-sized) are data, not a second test body. A case is a
+    tuple of values (or one value); wrap it in pytest.param to give it marks or an id.
+
+        @pytest.mark.parametrize(("device", "num_tokens"), by_device(cpu=[1, 7], cuda=[1, 7, 4097]))
+    """
+    params = []
+    for device, cases in (("cpu", cpu), ("cuda", cuda)):
+        for case in cases:
+            if isinstance(case, type(pytest.param())):
+                params.append(device_param(device, *case.values, marks=case.marks, id=case.id))
+            else:
+                values = case if isinstance(case, tuple) else (case,)
+                params.append(device_param(device, *values))
+    return params
+
+
+def case_id(value: object) -> str | None:
+    """Readable test ids for dtypes ("bf16", not "dtype3"); pytest's own for everything else."""
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return names.get(value) if isinstance(value, torch.dtype) else None
+
+
+def interpreter_only(reason: str) -> pytest.MarkDecorator:
+    """For Triton cases that run on the interpreter only (the reason says why not compiled)."""
+    return pytest.mark.skipif(not INTERPRETER, reason=f"interpreter only: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# A Qwen3-30B-A3B MoE layer on the GPU (graphs, compile and memory cases)
+# ---------------------------------------------------------------------------------------------
+
+QWEN3_SHAPE = (128, 8, 2048, 768)  # (E, K, H, I) of Qwen3-30B-A3B
+
+
+def qwen3_workspace(max_tokens: int):
+    from safemoe.workspace import Workspace
+
+    num_experts, top_k, hidden, inter = QWEN3_SHAPE
+    return Workspace(max_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+
+
+def qwen3_moe(workspace=None, **kwargs):
+    """safemoe.MoE at the Qwen3-30B-A3B shape in bf16 on CUDA, N(0, fan_in^-1/2) weights."""
+    from safemoe.layer import MoE
+
+    num_experts, top_k, hidden, inter = QWEN3_SHAPE
+    torch.manual_seed(0)
+    moe = MoE(hidden, inter, num_experts, top_k, dtype=torch.bfloat16, device="cuda", workspace=workspace,
+              **kwargs)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, hidden**-0.5)
+        moe.w13.normal_(0, hidden**-0.5)
+        moe.w2.normal_(0, inter**-0.5)
+    return moe

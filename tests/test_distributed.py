@@ -1,11 +1,15 @@
-"""Expert parallelism on CPU (gloo): EPMoE / ep_experts against a single-process reference.
+"""Expert parallelism: EPMoE / ep_experts against a single-process reference, on CPU (gloo, the
+reference backend, fp32) and on 2 GPUs (NCCL with NVLink multicast off, the Triton kernels, bf16).
 
-Spawned groups of 2 and 4 ranks (one group per world size, reused by every check: process start
-is the expensive part) run `rank_checks`: ragged real-token counts including a rank with none,
-each rank padded to the common bucket with NaN rows, stale ids in padded rows, out-of-range ids in
-valid rows, both modes, capacity overflow counted exactly. The GPU file runs the same checks with
-NCCL in bf16 (tests/gpu/test_distributed_gpu.py). Checks make all their collectives first and
-assert after, so one failing check cannot desynchronise the ranks for the next one.
+Spawned groups (one group per device and world size, reused by every check: process start and
+NCCL init are the expensive part) run `rank_checks`: ragged real-token counts including a rank
+with none, each rank padded to the common bucket with NaN rows, stale ids in padded rows,
+out-of-range ids in valid rows, both modes, capacity overflow counted exactly. On CPU groups of 2
+and 4 ranks; on CUDA a group of 2 that also captures the capacity mode in a CUDA graph, replayed
+with each rank's `num_valid` changed in place (including 0) and the common bucket agreed inside
+the same graph (`check_graph_capture`). Checks make all their collectives first and assert after,
+so one failing check cannot desynchronise the ranks for the next one. scripts/ep_gpu_run.sh runs
+the CUDA group (`-m gpu`).
 
 Inputs are quantised (x and router weights multiples of 1/8) so the router logits are exact in
 fp32 whatever the matmul's summation order: the EP layer (logits of a padded per-rank batch) and
@@ -16,6 +20,7 @@ the exchange, not about near-ties.
 from __future__ import annotations
 
 import functools
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import STALE_ID, assert_close, assert_equal, garbage_ids
+from helpers import STALE_ID, assert_close, assert_equal, device_param, garbage_ids
 from safemoe._checks import NumValid
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
 from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode
@@ -32,6 +37,7 @@ from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PAD
 from safemoe.layer import MoE
 from safemoe.reference import experts_reference, route_reference
 from safemoe.routing import Routing
+from safemoe.workspace import Workspace
 
 H, I, E, K = 16, 8, 8, 3  # noqa: E741 (the project's shape names)
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -305,12 +311,95 @@ def rank_checks(
     return results
 
 
+# ------------------------------------------------------------------------------------------------
+# CUDA only: the capacity mode captured in a CUDA graph (run by the NCCL group with CHECKS)
+# ------------------------------------------------------------------------------------------------
+
+GPU_WORLD = 2
+GPU_SETUP = Setup(device="cuda", dtype=torch.bfloat16, backend="auto", shapes=(256, 128, 16, 4))
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _replay_counts(n: int) -> list[int]:
+    """The num_valid values a rank replays with (same length on every rank)."""
+    return [n, n // 2, 0, max(0, n - 1), n]
+
+
+def check_graph_capture(ctx: Ctx) -> None:
+    hidden, inter, experts, top_k = ctx.setup.shapes
+    moe = ctx.moe()
+    bucket = ctx.bucket()
+    workspace = Workspace(GPU_WORLD * bucket, experts // GPU_WORLD, top_k, hidden, inter, ctx.dtype,
+                          ctx.device)
+    health = new_health_tensor(ctx.device)
+    ep = EPMoE.from_moe(moe, mode="capacity", workspace=workspace, health=health, backend="auto")
+    static_x = torch.full((bucket, hidden), float("nan"), dtype=ctx.dtype, device=ctx.device)
+    static_x[: ctx.n] = ctx.x_own
+    num_valid = torch.tensor(ctx.n, dtype=torch.int32, device=ctx.device)
+    counts = _replay_counts(ctx.n)
+
+    with torch.no_grad():
+        want = []  # eager, before any capture
+        for count in counts:
+            num_valid.fill_(count)
+            want.append(ep(static_x, num_valid=num_valid).clone())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ep(static_x, num_valid=num_valid)
+            common_bucket(num_valid, buckets=BUCKETS)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = ep(static_x, num_valid=num_valid)
+            agreed = common_bucket(num_valid, buckets=BUCKETS)
+        health.zero_()
+        got = []
+        for count in counts:
+            num_valid.fill_(count)
+            graph.replay()
+            got.append((out.clone(), agreed.clone()))
+        torch.cuda.synchronize()
+
+    every_rank = [_replay_counts(n) for n in ctx.counts]
+    for step, count in enumerate(counts):
+        most = max(rank_counts[step] for rank_counts in every_rank)
+        bucket_of = min(b for b in BUCKETS if b >= most)
+        out_step, agreed_step = got[step]
+        assert int(agreed_step) == bucket_of, (step, int(agreed_step), bucket_of)
+        assert_close(out_step[:count], want[step][:count], dtype=ctx.dtype, what=f"replay {step}")
+        assert_equal(out_step[count:], torch.zeros_like(out_step[count:]), what=f"replay {step} padding")
+    values = health.tolist()
+    assert values[PADDED_ROWS] == sum(bucket - c for c in counts), values
+    assert values[DROPPED_SLOTS] == values[EP_OVERFLOW_SLOTS] == 0, values
+
+
+GPU_CHECKS: dict[str, Callable[[Ctx], None]] = {**CHECKS, "graph_capture": check_graph_capture}
+
+
+def gpu_rank_checks(rank: int, world: int, scenarios: tuple[tuple[int, ...], ...]) -> dict:
+    return rank_checks(rank, world, GPU_SETUP, scenarios, GPU_CHECKS)
+
+
+# ------------------------------------------------------------------------------------------------
+# The spawned groups: gloo on CPU (2 and 4 ranks), NCCL on 2 GPUs
+# ------------------------------------------------------------------------------------------------
+
+
 @functools.cache
-def group_results(world: int) -> tuple[dict, ...] | str:
-    """Each rank's results for a spawned gloo group of `world` ranks (cached: one spawn per world
-    size), or the reason the group failed."""
+def group_results(device: str, world: int) -> tuple[dict, ...] | str:
+    """Each rank's results for a spawned group of `world` ranks on `device` (cached: one spawn per
+    device and world size), or the reason the group failed."""
     try:
-        return tuple(spawn(rank_checks, world, Setup(), COUNTS[world], timeout_s=45.0, join_timeout_s=150.0))
+        if device == "cpu":
+            return tuple(spawn(rank_checks, world, Setup(), COUNTS[world], timeout_s=45.0,
+                               join_timeout_s=150.0))
+        for name, value in NO_MULTICAST.items():
+            os.environ.setdefault(name, value)
+        return tuple(spawn(gpu_rank_checks, world, COUNTS[world], backend="nccl", timeout_s=60.0,
+                           join_timeout_s=240.0, env=NO_MULTICAST))  # fmt: skip
     except Exception as exc:  # spawning, a timeout, a crashed rank: every check of the group fails
         return f"{type(exc).__name__}: {exc}"
 
@@ -321,17 +410,26 @@ def assert_group_passed(results: tuple[dict, ...] | str, key: str) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize(
-    "world,key",
-    [
-        (world, f"{name}[{','.join(map(str, counts))}]")
-        for world, scenarios in COUNTS.items()
-        for counts in scenarios
-        for name in CHECKS
-    ],
-)
-def test_spawned_group(world: int, key: str) -> None:
-    assert_group_passed(group_results(world), key)
+def _group_params() -> list:
+    """(device, world, key) per check: gloo groups on CPU run everywhere (reference backend, no
+    Triton); the NCCL group needs 2 GPUs."""
+    two_gpus = pytest.mark.skipif(torch.cuda.device_count() < GPU_WORLD, reason="needs 2 GPUs")
+    params = []
+    for device, worlds, checks in (("cpu", COUNTS, CHECKS), ("cuda", (GPU_WORLD,), GPU_CHECKS)):
+        for world in worlds:
+            for counts in COUNTS[world]:
+                for name in checks:
+                    key = f"{name}[{','.join(map(str, counts))}]"
+                    if device == "cpu":
+                        params.append(pytest.param(device, world, key))
+                    else:
+                        params.append(device_param(device, world, key, marks=[two_gpus]))
+    return params
+
+
+@pytest.mark.parametrize(("device", "world", "key"), _group_params())
+def test_spawned_group(device: str, world: int, key: str) -> None:
+    assert_group_passed(group_results(device, world), key)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,10 @@
-"""fp8 (e4m3) expert weights: quantisation rules, the Triton kernels (interpreted) against the
-dequantised fp32 reference, row and padding isolation, argument checks, `quantize_experts`.
+"""fp8 (e4m3) expert weights: quantisation rules, the Triton kernels against the dequantised fp32
+reference, row and padding isolation, argument checks, `quantize_experts`. Kernel cases run under
+the Triton interpreter on CPU and, where written for both, compiled on a GPU; the GPU-only cases
+(bf16 at real model shapes, CUDA-graph replay with a changed device num_valid, row and padding
+isolation with NaN/Inf rows, determinism) are at the end.
+
+Interpreter:
 
 The Triton interpreter (triton 3.9) runs fp8 tensors and fp8 x fp8 dots (it widens e4m3 to fp16,
 exactly, and multiplies in fp32), so the kernels' fp8 paths run here; its fp32 -> fp8 cast does
@@ -16,6 +21,16 @@ one fp8 step away; with fp16 x the measured relative Frobenius errors are ~4e-4,
 moves ~6% of the re-quantised intermediate values by one fp8 step: measured ~1.5e-2, asserted
 <= 3e-2 and 6e-2 (the GPU tests hold bf16 to the fp16 bounds' order). Against the unquantised
 reference the fp8 error itself is ~6.5% (e4m3 keeps 3 mantissa bits), asserted <= 12%.
+
+GPU: against `experts_fp8_reference` (same quantisation rules, bit-identical activation codes) the
+kernels differ by accumulation order, Hopper's fp8 MMA accumulation (per-tensor mode accumulates
+the whole K in the tensor cores' accumulator, as torch's use_fast_accum does; block mode promotes
+every 128-wide K step to fp32) and the bf16 rounding of the intermediate before it is
+re-quantised (a value can land one fp8 step away): relative Frobenius error <= 3e-2 and every
+element within 0.1 of max|ref|. Against the unquantised bf16 experts: <= 12% as on the interpreter.
+
+Cases marked `memcheck` use small shapes only, so their cuda variants also run under
+compute-sanitizer (tests/memcheck.py).
 """
 
 from __future__ import annotations
@@ -28,8 +43,8 @@ import triton
 import triton.language as tl
 
 import safemoe
-from helpers import STALE_ID, assert_equal, garbage_ids, poisoned
-from safemoe._checks import NumValid, check_fp8_weights
+from helpers import STALE_ID, assert_equal, by_device, case_id, garbage_ids, interpreter_only, poisoned
+from safemoe._checks import NumValid, check_fp8_weights, check_num_valid
 from safemoe.configs import ExpertsConfig, GemmTiles
 from safemoe.fp8 import _quantize_stack, dequantize_experts, quantize_experts
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
@@ -45,13 +60,16 @@ from safemoe.reference import (
 )
 from safemoe.workspace import Workspace, workspace_bytes
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests (CPU tensors)")
-
 MODES = ("per_tensor", "block")
-# vs the fp8 reference, per x dtype: (relative Frobenius error, worst element / max |ref|); see
-# the module docstring
-TOLERANCES = {torch.float16: (5e-3, 2e-2), torch.bfloat16: (3e-2, 6e-2)}
+# vs the fp8 reference, per device and x dtype: (relative Frobenius error, worst element / max
+# |ref|); see the module docstring
+TOLERANCES = {
+    "cpu": {torch.float16: (5e-3, 2e-2), torch.bfloat16: (3e-2, 6e-2)},
+    "cuda": {torch.float16: (3e-2, 1e-1), torch.bfloat16: (3e-2, 1e-1)},
+}
 FP8_ERROR_TOL = 0.12  # vs the unquantised reference
+# Not compiled yet: interpreter-specific numerics (its fp8 casts, its bf16 stores) or CPU tensors.
+INTERPRETER_ONLY = "tolerances and bits measured on the interpreter"
 
 
 def _bf16_weights(num_experts: int, hidden: int, inter: int, gen: torch.Generator):
@@ -65,7 +83,31 @@ def _routing(num_tokens: int, top_k: int, num_experts: int, gen: torch.Generator
     return torch.rand(num_tokens, top_k, generator=gen), ids.contiguous()
 
 
-def _case(num_tokens, num_experts, top_k, hidden, inter, mode, dtype=torch.float16, seed=0):
+def _gpu_fp8_weights(num_experts: int, hidden: int, inter: int, mode: str, seed: int = 0):
+    """(bf16 w13, bf16 w2, (fp8 w13, fp8 w2, w13_scale, w2_scale)), drawn on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13.mul_(1.0 / math.sqrt(hidden))
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w2.mul_(1.0 / math.sqrt(inter))
+    return w13, w2, quantize_experts(w13, w2, mode)
+
+
+def _gpu_routing(num_tokens: int, top_k: int, num_experts: int, seed: int = 1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, device="cuda", generator=gen)
+    ids = torch.topk(scores, top_k, dim=1).indices.to(torch.int32)
+    return torch.rand(num_tokens, top_k, device="cuda", generator=gen), ids
+
+
+def _case(num_tokens, num_experts, top_k, hidden, inter, mode, dtype=torch.float16, seed=0, device="cpu"):
+    """x, (w13, w2), (q13, q2, s13, s2), weights, ids. cpu: fp32 weights, everything from one CPU
+    generator; cuda: bf16 weights drawn on the GPU (seed 0), x from the global RNG, routing seed 1."""
+    if device == "cuda":
+        w13, w2, fp8w = _gpu_fp8_weights(num_experts, hidden, inter, mode)
+        x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
+        weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
+        return x, (w13, w2), fp8w, weights, ids
     gen = torch.Generator().manual_seed(seed)
     w13, w2 = _bf16_weights(num_experts, hidden, inter, gen)
     q13, q2, s13, s2 = quantize_experts(w13, w2, mode)
@@ -74,12 +116,20 @@ def _case(num_tokens, num_experts, top_k, hidden, inter, mode, dtype=torch.float
     return x, (w13, w2), (q13, q2, s13, s2), weights, ids
 
 
-def _run(x, fp8w, weights, ids, *, num_valid=None, activation="silu", workspace=None, out=None, config=None):
+def _nv(value, num_tokens: int, device: torch.device) -> NumValid:
+    if isinstance(value, NumValid):
+        return value
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return check_num_valid(value, num_tokens, device)
+
+
+def _run(x, fp8w, weights, ids, *, num_valid=None, activation="silu", workspace=None, out=None, config=None,
+         small_config=None):
     q13, q2, s13, s2 = fp8w
-    if not isinstance(num_valid, NumValid):
-        num_valid = NumValid(x.shape[0] if num_valid is None else num_valid, None)
-    return experts_triton(x, q13, q2, weights, ids, activation=activation, num_valid=num_valid, health=None,
-                          workspace=workspace, out=out, config=config,
+    return experts_triton(x, q13, q2, weights, ids, activation=activation,
+                          num_valid=_nv(num_valid, x.shape[0], x.device), health=None, workspace=workspace,
+                          out=out, config=config, small_config=small_config,
                           fp8=check_fp8_weights(q13, q2, s13, s2))
 
 
@@ -89,19 +139,34 @@ def _reference(x, fp8w, weights, ids, *, num_valid=None, activation="silu"):
     return experts_fp8_reference(x, q13, q2, s13, s2, weights, ids, activation=activation, num_valid=nv)
 
 
-def _assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+def _assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> float:
+    """Finite; relative Frobenius error and worst element within the device's and dtype's bounds."""
     assert bool(torch.isfinite(out).all()), f"{what}: non-finite output"
     diff = (out.double() - ref.double())
     scale = ref.double().abs().max().clamp_min(1e-30)
     rel = float(diff.norm() / ref.double().norm().clamp_min(1e-30))
     worst = float(diff.abs().max() / scale)
-    rel_tol, max_tol = TOLERANCES[ref.dtype]
+    rel_tol, max_tol = TOLERANCES[out.device.type][ref.dtype]
     assert rel <= rel_tol and worst <= max_tol, f"{what}: relative error {rel:.2e}, worst element {worst:.2e}"
+    return rel
 
 
-def _config(block_m: int, block_n: int = 32, block_k: int = 32, tma: bool = False) -> ExpertsConfig:
-    tiles = GemmTiles(block_n=block_n, block_k=block_k, group_m=2, num_warps=4, num_stages=1, tma=tma)
-    return ExpertsConfig(block_m=block_m, gemm1=tiles, gemm2=tiles)
+def _assert_fp8_error(out: torch.Tensor, x, w13, w2, weights, ids, *, activation="silu", num_valid=None,
+                      what: str = "") -> float:
+    """The fp8 error itself, against the unquantised experts in fp32: <= FP8_ERROR_TOL."""
+    unquantised = experts_reference(x.float(), w13.float(), w2.float(), weights, ids, activation=activation,
+                                    num_valid=None if num_valid is None else _nv(num_valid, x.shape[0],
+                                                                                   x.device))
+    error = float((out.float() - unquantised).norm() / unquantised.norm())
+    assert error <= FP8_ERROR_TOL, f"{what}: fp8 error vs the unquantised experts: {error:.3f}"
+    return error
+
+
+def _config(block_m: int, block_n: int = 32, block_k: int = 32, tma: bool = False, *, group_m: int = 2,
+            num_stages: int = 1, pdl: bool = False) -> ExpertsConfig:
+    tiles = GemmTiles(block_n=block_n, block_k=block_k, group_m=group_m, num_warps=4, num_stages=num_stages,
+                      tma=tma)
+    return ExpertsConfig(block_m=block_m, gemm1=tiles, gemm2=tiles, pdl=pdl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +180,7 @@ def _round_kernel(src_ptr, dst_ptr, N: tl.constexpr):
     tl.store(dst_ptr + offsets, round_to_e4m3(tl.load(src_ptr + offsets)).to(dst_ptr.dtype.element_ty))
 
 
+@interpreter_only("the interpreter's fp32 arithmetic, checked bit for bit")
 def test_round_to_e4m3_matches_torch_cast_bitwise() -> None:
     codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
     codes = codes[torch.isfinite(codes)]  # every e4m3 value, both zeros, subnormals, +-448
@@ -131,6 +197,7 @@ def test_round_to_e4m3_matches_torch_cast_bitwise() -> None:
     assert_equal(dst.view(torch.uint8), src.to(FP8_DTYPE).view(torch.uint8), what="fp8 codes")
 
 
+@interpreter_only("CPU tensors, bits measured on the interpreter")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("group", "max_one_chunk"), [(128, 16384), (300, 16384), (300, 64)])
 def test_quantize_rows_kernel_matches_reference_bitwise(dtype: torch.dtype, group: int, max_one_chunk: int,
@@ -175,31 +242,53 @@ def test_quantize_groups_reference_rules() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# (E, K, H, I) per device: H and I not multiples of 128 (a partial last scale group) nor of
+# BLOCK_K/BLOCK_N; compiled, T spans the decode tiles (T <= 8), mid tiles and the small-batch switch.
+MATCH_SHAPES = {"cpu": (6, 2, 200, 136), "cuda": (16, 4, 320, 200)}
+
+
+@pytest.mark.memcheck
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("dtype", "activation"), [(torch.float16, "silu"), (torch.bfloat16, "gelu"),
-                                                   (torch.float16, "swigluoai")])
-def test_matches_reference(mode: str, dtype: torch.dtype, activation: str) -> None:
-    """H and I not multiples of 128 (a partial last scale group) nor of BLOCK_K/BLOCK_N."""
-    x, full, fp8w, weights, ids = _case(33, 6, 2, 200, 136, mode, dtype, seed=1)
-    out = _run(x, fp8w, weights, ids, activation=activation, out=poisoned(x.shape, dtype))
+@pytest.mark.parametrize(("device", "num_tokens", "dtype", "activation"), by_device(
+    cpu=[(33, torch.float16, "silu"), (33, torch.bfloat16, "gelu"), (33, torch.float16, "swigluoai")],
+    cuda=[(num_tokens, torch.bfloat16, "silu") for num_tokens in (1, 7, 129, 300)],
+), ids=case_id)
+def test_matches_reference(device: str, num_tokens: int, mode: str, dtype: torch.dtype,
+                           activation: str) -> None:
+    """Against the fp8 reference, and the fp8 error against the unquantised experts."""
+    num_experts, top_k, hidden, inter = MATCH_SHAPES[device]
+    x, full, fp8w, weights, ids = _case(num_tokens, num_experts, top_k, hidden, inter, mode, dtype, seed=1,
+                                        device=device)
+    out = _run(x, fp8w, weights, ids, activation=activation, out=poisoned(x.shape, dtype, device))
     ref = _reference(x, fp8w, weights, ids, activation=activation)
-    _assert_fp8_close(out, ref, f"{mode} {dtype} {activation}")
-    unquantised = experts_reference(x.float(), full[0], full[1], weights, ids, activation=activation)
-    error = float((out.float() - unquantised).norm() / unquantised.norm())
-    assert error <= FP8_ERROR_TOL, f"fp8 error vs the unquantised experts: {error:.3f}"
+    _assert_fp8_close(out, ref, f"{mode} {dtype} {activation} T={num_tokens}")
+    _assert_fp8_error(out, x, full[0], full[1], weights, ids, activation=activation, what=f"{mode} {dtype}")
 
 
+# (T, E, K, H, I, x dtype) per device; tile rows: (block_m, block_n, block_k, group_m, num_stages, tma, pdl)
+TILE_SHAPES = {"cpu": (70, 4, 2, 160, 72, torch.float16), "cuda": (129, 16, 4, 384, 256, torch.bfloat16)}
+
+
+@pytest.mark.memcheck
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("block_m", "block_n", "block_k", "tma"),
-                         [(16, 32, 64, False), (32, 64, 128, True), (64, 32, 32, True), (128, 16, 64, False)])
-def test_tiles_tails_and_tma(mode: str, block_m: int, block_n: int, block_k: int, tma: bool) -> None:
+@pytest.mark.parametrize(("device", "block_m", "block_n", "block_k", "group_m", "num_stages", "tma", "pdl"),
+                         by_device(cpu=[(16, 32, 64, 2, 1, False, False), (32, 64, 128, 2, 1, True, False),
+                                        (64, 32, 32, 2, 1, True, False), (128, 16, 64, 2, 1, False, False)],
+                                   cuda=[(32, 64, 128, 4, 4, True, True)]))
+def test_tiles_tails_tma_and_pdl(device: str, mode: str, block_m: int, block_n: int, block_k: int,
+                                 group_m: int, num_stages: int, tma: bool, pdl: bool) -> None:
     """Every BLOCK_M; K steps of 32..128 inside the 128-wide scale groups; K and N tails; weights
-    through pointers and through TMA descriptors (fp8 boxes)."""
-    x, _, fp8w, weights, ids = _case(70, 4, 2, 160, 72, mode, seed=block_m)
-    out = _run(x, fp8w, weights, ids, config=_config(block_m, block_n, block_k, tma))
-    _assert_fp8_close(out, _reference(x, fp8w, weights, ids), f"{mode} BM{block_m}")
+    through pointers and through TMA descriptors (fp8 boxes); compiled, every launch with
+    programmatic dependent launch."""
+    num_tokens, num_experts, top_k, hidden, inter, dtype = TILE_SHAPES[device]
+    x, _, fp8w, weights, ids = _case(num_tokens, num_experts, top_k, hidden, inter, mode, dtype, seed=block_m,
+                                     device=device)
+    cfg = _config(block_m, block_n, block_k, tma, group_m=group_m, num_stages=num_stages, pdl=pdl)
+    out = _run(x, fp8w, weights, ids, config=cfg)
+    _assert_fp8_close(out, _reference(x, fp8w, weights, ids), f"{mode} BM{block_m} TMA {tma} PDL {pdl}")
 
 
+@interpreter_only(INTERPRETER_ONLY)
 def test_per_tensor_gate_and_up_scales() -> None:
     """w13_scale [E, 2]: the gate rows and the up rows each have their own per-tensor scale."""
     x, (w13, w2), _, weights, ids = _case(24, 4, 2, 64, 48, "per_tensor", seed=3)
@@ -215,6 +304,7 @@ def test_per_tensor_gate_and_up_scales() -> None:
     assert float((out.float() - unquantised).norm() / unquantised.norm()) <= FP8_ERROR_TOL
 
 
+@interpreter_only(INTERPRETER_ONLY)
 def test_block_scales_of_separately_quantised_gate_and_up() -> None:
     """DeepSeek-V3 checkpoints quantise gate_proj and up_proj separately; their concatenated
     weight_scale_inv has 2*ceil(I/128) block rows, accepted as it is where that differs from
@@ -240,6 +330,7 @@ def test_block_scales_of_separately_quantised_gate_and_up() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("mode", MODES)
 def test_nonfinite_rows_stay_in_their_row(mode: str) -> None:
     """NaN, +Inf and -Inf planted in single real rows (one element each) and whole padding rows:
@@ -265,6 +356,7 @@ def test_nonfinite_rows_stay_in_their_row(mode: str) -> None:
     _assert_fp8_close(dirty[others], ref[others])
 
 
+@interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("mode", MODES)
 def test_padding_isolation_bitwise(mode: str) -> None:
     """Real rows are bitwise identical whatever padding rows hold (NaN/Inf x, NaN weights,
@@ -296,6 +388,7 @@ def _run_config(num_tokens: int) -> ExpertsConfig:
     return get_config(num_tokens, 8, 64, 64, 2, torch.float16, torch.device("cpu"), "block")
 
 
+@interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("num_valid", [0, 3, 9])
 def test_small_batch_tiles_and_device_num_valid(num_valid: int) -> None:
     """The small-batch layout (num_valid <= 8 on the device in a larger batch) quantises and
@@ -316,6 +409,7 @@ def test_small_batch_tiles_and_device_num_valid(num_valid: int) -> None:
         _assert_fp8_close(out[:num_valid], ref[:num_valid])
 
 
+@interpreter_only(INTERPRETER_ONLY)
 def test_public_api_garbage_ids_health_and_determinism() -> None:
     """Through safemoe.experts: dropped slots counted exactly, duplicates served, two runs equal
     bit for bit, backend="reference" is the fp8 reference."""
@@ -334,6 +428,7 @@ def test_public_api_garbage_ids_health_and_determinism() -> None:
     assert int(health[DROPPED_SLOTS]) == dispatch_reference(ids, 6, NumValid(45, None)).dropped > 0
 
 
+@interpreter_only(INTERPRETER_ONLY)
 def test_workspace_fp8_buffers_and_sharing() -> None:
     """fp8 buffers counted in nbytes; a poisoned workspace gives the bits of a fresh one; one
     workspace serves fp8 and fp16 calls; a workspace without fp8 buffers is refused clearly."""
@@ -356,6 +451,7 @@ def test_workspace_fp8_buffers_and_sharing() -> None:
         _run(x, fp8w, weights, ids, workspace=Workspace(64, 8, 2, 64, 64, torch.float16, "cpu"))
 
 
+@interpreter_only(INTERPRETER_ONLY)
 def test_bf16_on_the_interpreter() -> None:
     """bf16 (not only fp8) runs on the interpreter: operands are upcast after load (its dot would
     otherwise multiply raw bf16 bits: results off by ~1e10, silently)."""
@@ -458,6 +554,7 @@ def test_fp8_argument_errors(change: dict, error: type, match: str) -> None:
         safemoe.experts(args.pop("x"), args.pop("w13"), args.pop("w2"), routing, backend="reference", **args)
 
 
+@interpreter_only(INTERPRETER_ONLY)
 def test_per_tensor_bad_shapes_and_block_k() -> None:
     args, _ = _fp8_args("per_tensor")
     routing = safemoe.Routing(weights=torch.rand(5, 2), ids=torch.zeros(5, 2, dtype=torch.int32))
@@ -470,3 +567,141 @@ def test_per_tensor_bad_shapes_and_block_k() -> None:
         experts_triton(block_args["x"], block_args["w13"], block_args["w2"], routing.weights, routing.ids,
                        activation="silu", num_valid=NumValid(5, None), health=None, fp8=fp8,
                        config=_config(16, block_k=256))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA only: bf16 x with row/padding isolation, determinism, CUDA graphs, real model shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter):
+    return Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda", fp8=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+@pytest.mark.parametrize("mode", MODES)
+def test_nonfinite_rows_and_padding_isolation_bf16(mode: str) -> None:
+    """NaN/+Inf/-Inf in single real rows: those rows all NaN, every other real row bitwise what it
+    is without the poison; NaN/Inf/garbage padding rows: real rows bitwise unchanged, padded rows
+    exact zeros; the workspace poisoned beforehand."""
+    num_tokens, valid, num_experts, top_k, hidden, inter = 260, 190, 16, 4, 256, 128
+    _, _, fp8w = _gpu_fp8_weights(num_experts, hidden, inter, mode)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
+    ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
+    f8 = ws.fp8_views(num_tokens, num_experts, top_k, hidden, inter, 128)
+    for buffer in (f8.x, f8.inter):
+        buffer.view(torch.uint8).fill_(0x7F)
+    f8.x_scale.fill_(math.nan)
+    f8.inter_scale.fill_(math.nan)
+    nv = torch.tensor(valid, device="cuda")
+    clean_x, clean_ids, clean_w = x.clone(), ids.clone(), weights.clone()
+    clean_x[valid:], clean_ids[valid:], clean_w[valid:] = 0, -1, 0
+    clean = _run(clean_x, fp8w, clean_w, clean_ids, num_valid=nv, workspace=ws)
+    dirty_x, dirty_ids, dirty_w = x.clone(), ids.clone(), weights.clone()
+    bad_rows = {3: math.nan, 50: math.inf, 120: -math.inf}
+    for row, value in bad_rows.items():
+        dirty_x[row, row % hidden] = value
+    dirty_x[valid:] = math.nan
+    dirty_x[valid::5] = math.inf
+    dirty_w[valid:] = math.nan
+    dirty_ids[valid:] = garbage_ids(num_tokens - valid, top_k, num_experts,
+                                    generator=torch.Generator().manual_seed(3)).to("cuda")
+    dirty_ids[valid::3] = STALE_ID
+    dirty = _run(dirty_x, fp8w, dirty_w, dirty_ids, num_valid=nv, workspace=ws,
+                 out=poisoned(x.shape, torch.bfloat16, "cuda"))
+    others = [r for r in range(valid) if r not in bad_rows]
+    assert_equal(dirty[others], clean[others], what="rows without poison")
+    assert bool(dirty[list(bad_rows)].isnan().all()), "a poisoned row must come out NaN"
+    assert_equal(dirty[valid:], torch.zeros_like(dirty[valid:]), what="padded rows")
+    _assert_fp8_close(clean[:valid], _reference(x, fp8w, weights, ids, num_valid=valid)[:valid],
+                      f"{mode} clean rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+@pytest.mark.parametrize("mode", MODES)
+def test_deterministic_and_public_api_bf16(mode: str) -> None:
+    """Five runs bitwise equal; safemoe.experts(..., w13_scale, w2_scale) is the same call."""
+    _, _, fp8w = _gpu_fp8_weights(32, 256, 128, mode)
+    x = torch.randn(700, 256, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(700, 4, 32)
+    first = _run(x, fp8w, weights, ids)
+    for _ in range(4):
+        assert_equal(_run(x, fp8w, weights, ids), first, what="run to run")
+    q13, q2, s13, s2 = fp8w
+    public = safemoe.experts(x, q13, q2, safemoe.Routing(weights, ids), w13_scale=s13, w2_scale=s2)
+    assert_equal(public, first, what="public API")
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+@pytest.mark.parametrize("mode", MODES)
+def test_graph_replay_with_num_valid_changed(mode: str) -> None:
+    """fp8 experts captured in one CUDA graph, replayed with the device num_valid changed in place:
+    each replay bitwise equals an eager call with that num_valid; padded rows exact zeros."""
+    num_tokens, num_experts, top_k, hidden, inter = 96, 16, 4, 256, 128
+    _, _, fp8w = _gpu_fp8_weights(num_experts, hidden, inter, mode)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
+    ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out)
+    eager_ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
+    for valid in (96, 1, 0, 37, 95):
+        nv.fill_(valid)
+        out.fill_(math.nan)
+        graph.replay()
+        eager = _run(x, fp8w, weights, ids, num_valid=torch.tensor(valid, device="cuda"), workspace=eager_ws)
+        assert_equal(out, eager, what=f"replay num_valid={valid}")
+        assert_equal(out[valid:], torch.zeros_like(out[valid:]), what=f"padded rows at {valid}")
+
+
+# (E, K, H, I, activation, T)
+MODEL_SHAPES = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "silu", 200),
+    "deepseek-v3": (256, 8, 7168, 2048, "silu", 96),
+    "mixtral-8x7b": (8, 2, 4096, 14336, "silu", 64),
+    "gpt-oss-120b": (128, 4, 2880, 2880, "swigluoai", 80),  # H, I not multiples of 128
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(MODEL_SHAPES))
+def test_model_shapes(case: str, mode: str) -> None:
+    num_experts, top_k, hidden, inter, activation, num_tokens = MODEL_SHAPES[case]
+    w13, w2, fp8w = _gpu_fp8_weights(num_experts, hidden, inter, mode)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
+    out = _run(x, fp8w, weights, ids, activation=activation, num_valid=num_tokens - 5,
+               out=poisoned(x.shape, torch.bfloat16, "cuda"))
+    ref = _reference(x, fp8w, weights, ids, activation=activation, num_valid=num_tokens - 5)
+    rel = _assert_fp8_close(out, ref, f"{case} {mode}")
+    assert_equal(out[num_tokens - 5 :], torch.zeros_like(out[num_tokens - 5 :]), what="padded rows")
+    unquantised = experts_reference(x, w13, w2, weights, ids, activation=activation,
+                                    num_valid=_nv(num_tokens - 5, num_tokens, x.device))
+    error = float((out.float() - unquantised.float()).norm() / unquantised.float().norm())
+    print(f"{case} {mode}: rel error vs fp8 reference {rel:.2e}, vs bf16 experts {error:.3f}")
+    assert error <= FP8_ERROR_TOL, f"{case} {mode}: fp8 error vs the bf16 experts {error:.3f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_tiles_qwen3(mode: str) -> None:
+    """T = 4096 on the Qwen3 shape: the 128-row prefill tiles (and their dequantisation) at scale."""
+    num_experts, top_k, hidden, inter, activation, _ = MODEL_SHAPES["qwen3-30b-a3b"]
+    _, _, fp8w = _gpu_fp8_weights(num_experts, hidden, inter, mode)
+    x = torch.randn(4096, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(4096, top_k, num_experts)
+    out = _run(x, fp8w, weights, ids, activation=activation)
+    _assert_fp8_close(out, _reference(x, fp8w, weights, ids, activation=activation), f"qwen3 T=4096 {mode}")

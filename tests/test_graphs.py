@@ -1,5 +1,5 @@
-"""CUDAGraphRunner on CPU: the clear error, and the eager mode with the same bucketing/padding.
-Capture and replay are tested on the GPU (tests/gpu/test_runtime_gpu.py)."""
+"""CUDAGraphRunner: on CPU the clear error and the eager mode with the same bucketing/padding; on a
+GPU every bucket up to 8192 tokens captured and replayed with num_valid changed in place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import assert_equal
+from helpers import QWEN3_SHAPE, assert_close, assert_equal, qwen3_moe, qwen3_workspace
 from safemoe.graphs import CUDAGraphRunner, token_buckets
 
 
@@ -89,3 +89,32 @@ def test_bad_outputs_and_buckets():
         CUDAGraphRunner(lambda x, num_valid: x, 8, torch.zeros(1, 2), buckets=[1, 4], allow_eager=True)
     with pytest.raises(TypeError, match="Tensor or a tuple"):
         CUDAGraphRunner(lambda x, num_valid: 3, 2, torch.zeros(1, 2), allow_eager=True)(torch.zeros(1, 2))
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_every_bucket_to_8192_captures_and_replays_with_num_valid_in_place():
+    max_tokens, hidden = 8192, QWEN3_SHAPE[2]
+    moe = qwen3_moe(qwen3_workspace(max_tokens))
+    runner = CUDAGraphRunner(lambda x, num_valid: moe(x, num_valid=num_valid), max_tokens,
+                             torch.zeros(1, hidden, dtype=torch.bfloat16, device="cuda"))  # fmt: skip
+    assert runner.graphed and sorted(runner.graphs) == token_buckets(max_tokens)
+    for num_tokens in (1, 3, 100, 2047, 4097, 8192):
+        x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+        bucket = runner.bucket_for(num_tokens)
+        runner.poison_padding(num_tokens, bucket)
+        got = runner(x).clone()
+        want = moe(x)
+        assert_close(got, want, what=f"T={num_tokens}")
+        static = runner.static_outputs[0]
+        assert_equal(
+            static[num_tokens:bucket], torch.zeros_like(static[num_tokens:bucket]), what="padded rows"
+        )
+        # Change num_valid in place and replay the same graph: rows past it become zeros.
+        if num_tokens > 2:
+            runner.num_valid.fill_(num_tokens // 2)
+            runner.graphs[bucket].replay()
+            half = num_tokens // 2
+            assert_close(static[:half], want[:half], what=f"T={num_tokens} replay with num_valid={half}")
+            assert_equal(static[half:bucket], torch.zeros_like(static[half:bucket]))
+    torch.cuda.synchronize()

@@ -1,4 +1,5 @@
-"""safemoe.MoE against the reference, padding and health behaviour, workspace plumbing, compile."""
+"""safemoe.MoE against the reference, padding and health behaviour, workspace plumbing, compile;
+on a GPU also torch.compile of the Triton layer at the Qwen3-30B-A3B shape and its peak memory."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import safemoe
-from helpers import assert_close, assert_equal
+from helpers import QWEN3_SHAPE, assert_close, assert_equal, interpreter_only, qwen3_moe, qwen3_workspace
 from safemoe import ops
 from safemoe._checks import NumValid
 from safemoe.health import Health
@@ -239,7 +240,7 @@ def _triton_kernels_built() -> bool:
 
 
 @pytest.mark.skipif(not _triton_kernels_built(), reason="Triton router/expert kernels not built yet")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors); tests/gpu covers CUDA")
+@interpreter_only("CPU tensors; on a GPU test_graphs.py and the compile case below run the Triton layer")
 def test_four_layers_share_a_workspace_triton_interpreter():
     """Four layers, one real Workspace, the Triton kernels under the interpreter vs the reference."""
     module = _workspace_module()
@@ -256,3 +257,52 @@ def test_four_layers_share_a_workspace_triton_interpreter():
             want = reference(x, num_valid=4)
         assert_close(got, want, what=f"layer {seed}")
         assert_equal(got[4:], torch.zeros_like(got[4:]))
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_torch_compile_fullgraph_gpu():
+    """The Triton layer (Qwen3 shape, bf16, a workspace, a gated shared expert) under fullgraph
+    compile. Not merged with the CPU case above: that one compiles the reference backend and also
+    checks bitwise equality and health counters."""
+    hidden = QWEN3_SHAPE[2]
+    moe = qwen3_moe(qwen3_workspace(64), shared_intermediate_size=256, shared_expert_gate=True)
+    x = torch.randn(64, hidden, dtype=torch.bfloat16, device="cuda")
+    x[40:] = math.nan
+    nv = torch.tensor(40, device="cuda", dtype=torch.int32)
+    eager = moe(x, num_valid=nv)
+    compiled = torch.compile(moe, fullgraph=True)
+    got = compiled(x, num_valid=nv)
+    assert_close(got, eager)
+    assert_equal(got[40:], torch.zeros_like(got[40:]))
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512  # the caching allocator's granularity
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+@torch.inference_mode()
+def test_peak_memory_is_outputs_only(num_tokens):
+    num_experts, top_k, hidden, _ = QWEN3_SHAPE
+    moe = qwen3_moe(qwen3_workspace(4096))
+    x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    moe(x, num_valid=nv)  # warm-up: Triton compilation, cuBLAS workspace
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = moe(x, num_valid=nv)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    outputs = {
+        "logits [T, E] bf16": _round(num_tokens * num_experts * 2),
+        "weights [T, K] f32": _round(num_tokens * top_k * 4),
+        "ids [T, K] i32": _round(num_tokens * top_k * 4),
+        "out [T, H] bf16": _round(num_tokens * hidden * 2),
+    }
+    assert out.shape == (num_tokens, hidden)
+    assert peak <= sum(outputs.values()), (
+        f"peak {peak} B > workspace-free outputs {outputs} ({sum(outputs.values())} B)"
+    )

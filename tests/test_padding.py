@@ -70,8 +70,7 @@ def test_zero_padding_dtypes_3d(dtype):
     assert_equal(zero_padding_(t.clone(), torch.tensor(2)), expected(t, 2))
 
 
-# The Triton kernel itself: compiled on a CUDA machine, under the interpreter on CPU.
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The Triton kernel itself, on every device: under the interpreter on CPU, compiled on CUDA.
 
 
 @pytest.mark.parametrize(
@@ -79,18 +78,18 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     [((5, 7), 2), ((1, 3), 0), ((9, 1), 1), ((4, 3), 4), ((3000, 3), 5), ((4, 2, 3), 1)],
 )
 @pytest.mark.parametrize("as_tensor", [False, True])
-def test_zero_padding_triton_kernel(shape, count, as_tensor):
+def test_zero_padding_triton_kernel(device, shape, count, as_tensor):
     # Drawn on the CPU: a CUDA generator left mid-capture by another test in this worker must not
     # fail a test of zero_padding_.
-    t = torch.randn(shape, dtype=torch.float16).to(KERNEL_DEVICE)
-    nv = torch.tensor(count, dtype=torch.int32, device=KERNEL_DEVICE) if as_tensor else count
+    t = torch.randn(shape, dtype=torch.float16).to(device)
+    nv = torch.tensor(count, dtype=torch.int32, device=device) if as_tensor else count
     out = t.clone()
     _zero_padding_triton(out, check_num_valid(nv, t.shape[0], t.device))
     assert_equal(out, expected(t, count))
 
 
-def test_zero_padding_triton_kernel_row_stride_and_clamp():
-    base = torch.randn(7, 12).to(KERNEL_DEVICE)
+def test_zero_padding_triton_kernel_row_stride_and_clamp(device):
+    base = torch.randn(7, 12).to(device)
     out = base.clone()
     _zero_padding_triton(out[:, 3:8], check_num_valid(torch.tensor(3, device=out.device), 7, out.device))
     e = base.clone()

@@ -1,0 +1,594 @@
+"""Expert kernels (kernels/experts.py + combine.py) against reference.experts_reference, on every
+device: under the Triton interpreter on CPU (fp32 and fp16, H and I <= 128, small E) and compiled
+on a GPU (bf16 at small and real model shapes, CUDA-graph replay with a changed device num_valid,
+PDL and TMA, int64 addressing past 2^31, token-count boundaries, determinism).
+
+Outputs and workspaces are poisoned beforehand so any element read before it was written shows up
+as NaN. Cases on both devices draw their inputs per device (`_draw`) and compare per device
+(`_assert_matches`): elementwise within the dtype's tolerance on the interpreter, relative
+Frobenius error on the GPU (bf16, other accumulation orders).
+
+Cases marked `memcheck` use small shapes only, so their cuda variants also run under
+compute-sanitizer (tests/memcheck.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import safemoe
+from helpers import (
+    STALE_ID,
+    assert_close,
+    assert_equal,
+    by_device,
+    case_id,
+    garbage_ids,
+    interpreter_only,
+    poisoned,
+)
+from safemoe._checks import NumValid, check_num_valid
+from safemoe.configs import ExpertsConfig, GemmTiles
+from safemoe.health import DROPPED_SLOTS, new_health_tensor
+from safemoe.kernels.experts import experts_triton
+from safemoe.reference import dispatch_reference, experts_reference, moe_reference
+from safemoe.routing import Routing
+from safemoe.workspace import Workspace, workspace_bytes
+
+# (E, K, H, I, activation)
+MODEL_SHAPES = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "silu"),
+    "mixtral-8x7b": (8, 2, 4096, 14336, "silu"),
+    "gpt-oss-120b": (128, 4, 2880, 2880, "swigluoai"),
+    "deepseek-v3": (256, 8, 7168, 2048, "silu"),
+}
+# Not compiled yet: elementwise fp32/fp16 tolerances and layouts measured on the interpreter; the
+# cuda variants of the cases above cover the same contract in bf16.
+INTERPRETER_ONLY = "elementwise fp32/fp16 tolerances as measured on the interpreter"
+
+
+def _weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, gen: torch.Generator):
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter)).to(dtype)
+    return w13, w2
+
+
+def _routing(num_tokens: int, top_k: int, num_experts: int, gen: torch.Generator):
+    ids = torch.argsort(torch.rand(num_tokens, num_experts, generator=gen), dim=1)[:, :top_k].to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    return weights, ids
+
+
+def _gpu_weights(num_experts: int, hidden: int, inter: int, dtype=torch.bfloat16, seed: int = 0):
+    """Drawn on the GPU in the weights' dtype (real model shapes: no fp32 copy of them)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype, generator=gen)
+    w13.mul_(1.0 / math.sqrt(hidden))
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=dtype, generator=gen)
+    w2.mul_(1.0 / math.sqrt(inter))
+    return w13, w2
+
+
+def _gpu_routing(num_tokens: int, top_k: int, num_experts: int, seed: int = 1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, device="cuda", generator=gen)
+    ids = torch.topk(scores, top_k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, device="cuda", generator=gen)
+    return weights, ids
+
+
+def _draw(device: str, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+          dtype: torch.dtype, seed: int):
+    """(x, w13, w2, weights, ids). cpu: one CPU generator seeded `seed`; cuda: drawn on the GPU
+    (weights seed 0, x from the global RNG, routing seed `seed`)."""
+    if device == "cpu":
+        gen = torch.Generator().manual_seed(seed)
+        w13, w2 = _weights(num_experts, hidden, inter, dtype, gen)
+        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+        return x, w13, w2, weights, ids
+    w13, w2 = _gpu_weights(num_experts, hidden, inter, dtype)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
+    weights, ids = _gpu_routing(num_tokens, top_k, num_experts, seed=seed)
+    return x, w13, w2, weights, ids
+
+
+def _nv(value, num_tokens: int, device: torch.device | str) -> NumValid:
+    if isinstance(value, NumValid):
+        return value
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return check_num_valid(value, num_tokens, device)
+
+
+def _config(block_m: int, block_k: int = 32) -> ExpertsConfig:
+    tiles = GemmTiles(block_n=32, block_k=block_k, group_m=2, num_warps=4, num_stages=1)
+    return ExpertsConfig(block_m=block_m, gemm1=tiles, gemm2=tiles)
+
+
+def _run(x, w13, w2, weights, ids, *, activation="silu", num_valid=None, health=None, workspace=None,
+         out=None, config=None):
+    """experts_triton; num_valid None, an int, a device tensor or a NumValid."""
+    return experts_triton(x, w13, w2, weights, ids, activation=activation,
+                          num_valid=_nv(num_valid, x.shape[0], x.device), health=health,
+                          workspace=workspace, out=out, config=config)
+
+
+def _reference(x, w13, w2, weights, ids, *, activation="silu", num_valid=None):
+    return experts_reference(x, w13, w2, weights, ids, activation=activation,
+                             num_valid=_nv(num_valid, x.shape[0], x.device))
+
+
+def _check_rel(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-2) -> float:
+    """Frobenius-relative error below tol, nothing non-finite, worst element within 4 tol of max|ref|."""
+    assert bool(torch.isfinite(out).all()), f"{what}: non-finite output"
+    diff = out.float() - ref.float()
+    rel = float(diff.norm() / ref.float().norm().clamp_min(1e-30))
+    worst = float(diff.abs().max() / ref.float().abs().max().clamp_min(1e-30))
+    assert rel < tol and worst < 4 * tol, f"{what}: rel error {rel:.3g}, worst {worst:.3g} of max|ref|"
+    return rel
+
+
+def _assert_matches(device: str, out: torch.Tensor, ref: torch.Tensor, what: str = "",
+                    gpu_tol: float = 1e-2) -> None:
+    """cpu: every element within the dtype's tolerance; cuda: relative error below gpu_tol."""
+    if device == "cpu":
+        assert_close(out, ref, what=what)
+    else:
+        _check_rel(out, ref, what, tol=gpu_tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every device (shapes per device)
+# ---------------------------------------------------------------------------------------------
+
+# (T, E, K, H, I): I not a multiple of BLOCK_N on the interpreter; K tails and N tails compiled.
+ACTIVATION_SHAPES = {"cpu": (45, 8, 2, 64, 48), "cuda": (50, 8, 2, 96, 80)}
+GPU_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@pytest.mark.memcheck
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=case_id)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
+def test_matches_reference(device: str, dtype: torch.dtype, activation: str) -> None:
+    num_tokens, num_experts, top_k, hidden, inter = ACTIVATION_SHAPES[device]
+    x, w13, w2, weights, ids = _draw(device, num_tokens, num_experts, top_k, hidden, inter, dtype, seed=7)
+    out = _run(x, w13, w2, weights, ids, activation=activation, out=poisoned(x.shape, dtype, device))
+    ref = _reference(x, w13, w2, weights, ids, activation=activation)
+    _assert_matches(device, out, ref, f"{activation} {dtype}", gpu_tol=GPU_TOL[dtype])
+
+
+# (E, K, H, I, dtype) per device
+BOUNDARY_SHAPES = {"cpu": (8, 2, 32, 32, torch.float16), "cuda": (16, 4, 128, 64, torch.bfloat16)}
+
+
+@pytest.mark.memcheck
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 7, 17, 127, 128, 129, 255, 256, 257])
+def test_boundaries(device: str, num_tokens: int) -> None:
+    num_experts, top_k, hidden, inter, dtype = BOUNDARY_SHAPES[device]
+    x, w13, w2, weights, ids = _draw(device, num_tokens, num_experts, top_k, hidden, inter, dtype,
+                                     seed=num_tokens)
+    out = _run(x, w13, w2, weights, ids, out=poisoned(x.shape, dtype, device))
+    _assert_matches(device, out, _reference(x, w13, w2, weights, ids), f"T={num_tokens}")
+
+
+# Past one dispatch chunk (T*K > 4096): separate scatter launch, many M-blocks per program. Per
+# device: (E, K, H, I, dtype, config, padded rows, num_valid as a device tensor).
+_TINY_TILES = ExpertsConfig(block_m=128, gemm1=GemmTiles(16, 16, 8, 4, 1), gemm2=GemmTiles(16, 16, 8, 4, 1))
+LARGE_T_SHAPES = {
+    "cpu": (4, 2, 16, 16, torch.float32, _TINY_TILES, 1, False),
+    "cuda": (64, 4, 256, 128, torch.bfloat16, None, 2, True),
+}
+
+
+@pytest.mark.parametrize(("device", "num_tokens"), by_device(
+    cpu=[4095, 4096, 4097], cuda=[4095, 4096, 4097, 65535, 65536, 65537]))
+def test_token_boundaries(device: str, num_tokens: int) -> None:
+    """T around one dispatch chunk (and 2^16 compiled); NaN padding rows come out exact zeros."""
+    num_experts, top_k, hidden, inter, dtype, config, padded, as_tensor = LARGE_T_SHAPES[device]
+    x, w13, w2, weights, ids = _draw(device, num_tokens, num_experts, top_k, hidden, inter, dtype,
+                                     seed=num_tokens)
+    valid = num_tokens - padded
+    x[valid:] = math.nan
+    num_valid = torch.tensor(valid, device=device) if as_tensor else valid
+    out = _run(x, w13, w2, weights, ids, num_valid=num_valid, out=poisoned(x.shape, dtype, device),
+               config=config)
+    ref = _reference(x, w13, w2, weights, ids, num_valid=valid)
+    _assert_matches(device, out[:valid], ref[:valid], f"T={num_tokens}")
+    assert_equal(out[valid:], torch.zeros_like(out[valid:]))
+
+
+# (E, H, I, dtype) per device
+ZERO_SHAPES = {"cpu": (4, 32, 32, torch.float32), "cuda": (8, 64, 32, torch.bfloat16)}
+
+
+@pytest.mark.memcheck
+def test_zero_tokens_and_zero_valid(device: str) -> None:
+    """T = 0 returns [0, H]; num_valid = 0 (a device tensor) writes zeros over NaN inputs and
+    stale ids."""
+    num_experts, hidden, inter, dtype = ZERO_SHAPES[device]
+    _, w13, w2, _, _ = _draw(device, 0, num_experts, 2, hidden, inter, dtype, seed=14)
+    x = torch.zeros(0, hidden, dtype=dtype, device=device)
+    empty_w, empty_ids = torch.zeros(0, 2, device=device), torch.zeros(0, 2, dtype=torch.int32, device=device)
+    assert _run(x, w13, w2, empty_w, empty_ids).shape == (0, hidden)
+    x = torch.full((9, hidden), math.nan, dtype=dtype, device=device)
+    ids = torch.full((9, 2), STALE_ID, dtype=torch.int32, device=device)
+    weights = torch.full((9, 2), math.nan, device=device)
+    out = _run(x, w13, w2, weights, ids, num_valid=torch.tensor(0, device=device),
+               out=poisoned((9, hidden), dtype, device))
+    assert_equal(out, torch.zeros_like(out))
+
+
+# (T, E, K, H, I, dtype, runs after the first) per device
+DETERMINISM_SHAPES = {"cpu": (100, 8, 4, 64, 64, torch.float16, 1), "cuda": (700, 32, 4, 256, 128,
+                                                                            torch.bfloat16, 4)}
+
+
+@pytest.mark.memcheck
+def test_deterministic_run_to_run(device: str) -> None:
+    num_tokens, num_experts, top_k, hidden, inter, dtype, again = DETERMINISM_SHAPES[device]
+    x, w13, w2, weights, ids = _draw(device, num_tokens, num_experts, top_k, hidden, inter, dtype, seed=17)
+    first = _run(x, w13, w2, weights, ids)
+    for _ in range(again):
+        assert_equal(_run(x, w13, w2, weights, ids), first, what="run to run")
+
+
+@pytest.mark.parametrize("with_workspace", [False, True])
+def test_more_slots_than_experts(device: str, with_workspace: bool) -> None:
+    """K > E is legal input to `experts`: duplicate ids are each served (contract, docs/contract.md
+    section 2). A Workspace used to reject it; the H200 check run of 2026-11-21 found that."""
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, num_experts, top_k, hidden, inter = 5, 3, 5, 16, 16
+    x = torch.randn(num_tokens, hidden, generator=gen).half().to(device)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / 4).half().to(device)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / 4).half().to(device)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen, dtype=torch.int32).to(device)
+    routing = Routing(weights=torch.rand(num_tokens, top_k, generator=gen).to(device), ids=ids)
+    workspace = None
+    if with_workspace:
+        workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float16, device)
+    out = safemoe.experts(x, w13, w2, routing, num_valid=4, backend="triton", workspace=workspace)
+    want = safemoe.experts(x, w13, w2, routing, num_valid=4, backend="reference")
+    assert_close(out, want, what="K > E")
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter only
+# ---------------------------------------------------------------------------------------------
+
+
+@interpreter_only(INTERPRETER_ONLY)
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("tma", [False, True])
+def test_block_sizes_and_k_tails(block_m: int, tma: bool) -> None:
+    """Every BLOCK_M, H not a multiple of BLOCK_K (masked K tail) and I not a multiple of BLOCK_N,
+    weights through pointers and through TMA descriptors (zero-filled past H)."""
+    gen = torch.Generator().manual_seed(block_m)
+    num_tokens, num_experts, top_k, hidden, inter = 70, 4, 2, 80, 40
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    tiles = GemmTiles(block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, tma=tma)
+    out = _run(x, w13, w2, weights, ids, config=ExpertsConfig(block_m, tiles, tiles))
+    assert_close(out, experts_reference(x, w13, w2, weights, ids))
+
+
+@interpreter_only(INTERPRETER_ONLY)
+@pytest.mark.parametrize("num_valid", [0, 1, 8, 9, 299])
+def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
+    """num_valid <= 8 in a batch whose own tiles differ: the small-batch layout and GEMMs run (the
+    main ones find no M-block), chosen on the device; results match either way."""
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS
+
+    gen = torch.Generator().manual_seed(num_valid)
+    num_tokens, num_experts, top_k, hidden, inter = 300, 8, 2, 32, 32
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    x[num_valid:] = math.nan
+    ids[num_valid:] = garbage_ids(num_tokens - num_valid, top_k, num_experts, generator=gen)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
+    out = _run(x, w13, w2, weights, ids, num_valid=NumValid(None, torch.tensor(num_valid)), workspace=ws,
+               out=poisoned(x.shape, torch.float32))
+    expected = experts_reference(x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None))
+    assert_close(out, expected)
+    assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+    blocks = ws.views(num_tokens, num_experts, top_k, hidden, inter).num_blocks
+    small = num_valid <= SMALL_BATCH_TOKENS
+    assert (int(blocks[1]) > 0) == (small and num_valid > 0) and (int(blocks[0]) > 0) == (not small)
+
+
+@interpreter_only(INTERPRETER_ONLY)
+def test_garbage_ids_via_public_api() -> None:
+    """Stale, duplicate, -1, negative and >= E ids: dropped ones counted exactly, duplicates served."""
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, num_experts, top_k, hidden, inter = 50, 6, 4, 32, 32
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    health = new_health_tensor()
+    routing = safemoe.Routing(weights=weights, ids=ids)
+    out = safemoe.experts(x, w13, w2, routing, backend="triton", health=health, num_valid=45)
+    nv = NumValid(45, None)
+    assert_close(out, experts_reference(x, w13, w2, weights, ids, num_valid=nv))
+    assert int(health[DROPPED_SLOTS]) == dispatch_reference(ids, num_experts, nv).dropped > 0
+
+
+@interpreter_only(INTERPRETER_ONLY)
+def test_all_tokens_to_one_expert() -> None:
+    gen = torch.Generator().manual_seed(12)
+    num_tokens, num_experts, hidden, inter = 150, 8, 32, 32
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    ids = torch.full((num_tokens, 1), 3, dtype=torch.int32)
+    weights = torch.rand(num_tokens, 1, generator=gen)
+    out = _run(x, w13, w2, weights, ids, config=_config(64))
+    assert_close(out, experts_reference(x, w13, w2, weights, ids))
+
+
+@interpreter_only("bitwise against T = num_valid alone with the same config, measured on the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_padding_isolation_bitwise(dtype: torch.dtype) -> None:
+    """Real rows are bitwise identical whatever the padding rows hold; padded rows are exact zeros."""
+    gen = torch.Generator().manual_seed(13)
+    num_tokens, valid, num_experts, top_k, hidden, inter = 40, 23, 8, 2, 32, 32
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    clean_x, clean_w, clean_ids = x.clone(), weights.clone(), ids.clone()
+    clean_x[valid:], clean_w[valid:], clean_ids[valid:] = 0, 0, -1
+    dirty_x, dirty_w, dirty_ids = x.clone(), weights.clone(), ids.clone()
+    dirty_x[valid:], dirty_w[valid:] = math.nan, math.nan
+    dirty_ids[valid:] = garbage_ids(num_tokens - valid, top_k, num_experts, generator=gen)
+    dirty_ids[valid::3] = STALE_ID
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, dtype, "cpu")
+    clean = _run(clean_x, w13, w2, clean_w, clean_ids, num_valid=valid, workspace=ws)
+    dirty = _run(dirty_x, w13, w2, dirty_w, dirty_ids, num_valid=NumValid(None, torch.tensor(valid)),
+                 out=poisoned(x.shape, dtype), workspace=ws)
+    assert_equal(dirty[:valid], clean[:valid], what="real rows")
+    assert_equal(dirty[valid:], torch.zeros_like(dirty[valid:]), what="padded rows")
+    # the real rows alone (T = num_valid, no padding at all) give the same bits too
+    alone = _run(x[:valid].contiguous(), w13, w2, weights[:valid].contiguous(), ids[:valid].contiguous(),
+                 config=ExpertsConfig.from_json(_default_cfg_json(num_tokens, num_experts, top_k)))
+    assert_equal(alone, clean[:valid], what="T=num_valid vs padded T")
+
+
+def _default_cfg_json(num_tokens: int, num_experts: int, top_k: int) -> dict:
+    from safemoe.configs import get_config
+
+    return get_config(num_tokens, num_experts, 32, 32, top_k, torch.float32, torch.device("cpu")).to_json()
+
+
+@interpreter_only(INTERPRETER_ONLY)
+def test_poisoned_workspace_and_sharing() -> None:
+    """A NaN/stale workspace gives the same bits as a fresh one; one workspace serves two layer shapes."""
+    gen = torch.Generator().manual_seed(15)
+    ws = Workspace(64, 8, 2, 64, 64, torch.float32, "cpu")
+    views = ws.views(64, 8, 2, 64, 64)
+    views.intermediate.fill_(math.nan)
+    views.y.fill_(math.nan)
+    views.sorted_slots.fill_(STALE_ID)
+    views.block_end.fill_(STALE_ID)
+    views.cursor.fill_(-STALE_ID)
+    for num_tokens, num_experts, hidden, inter in ((64, 8, 64, 64), (20, 6, 32, 48), (64, 8, 64, 64)):
+        w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        weights, ids = _routing(num_tokens, 2, num_experts, gen)
+        shared = _run(x, w13, w2, weights, ids, workspace=ws)
+        fresh = _run(x, w13, w2, weights, ids)
+        assert_equal(shared, fresh)
+        assert_close(shared, experts_reference(x, w13, w2, weights, ids))
+
+
+@interpreter_only("argument checks; CPU tensors")
+def test_workspace_validation() -> None:
+    ws = Workspace(16, 8, 2, 32, 32, torch.float32, "cpu")
+    assert ws.nbytes == workspace_bytes(16, 8, 2, 32, 32, torch.float32)
+    gen = torch.Generator().manual_seed(16)
+    w13, w2 = _weights(8, 32, 32, torch.float32, gen)
+    weights, ids = _routing(17, 2, 8, gen)
+    with pytest.raises(ValueError, match="T <= 16"):
+        _run(torch.randn(17, 32), w13, w2, weights, ids, workspace=ws)
+    with pytest.raises(TypeError, match="dtype"):
+        _run(torch.randn(4, 32).half(), w13.half(), w2.half(), weights[:4], ids[:4], workspace=ws)
+    w13_big, w2_big = _weights(8, 64, 32, torch.float32, gen)
+    with pytest.raises(ValueError, match="H <= 32"):
+        _run(torch.randn(4, 64), w13_big, w2_big, weights[:4], ids[:4], workspace=ws)
+    with pytest.raises(ValueError, match="positive int"):
+        Workspace(0, 8, 2, 32, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="out must be"):
+        _run(torch.randn(4, 32), w13, w2, weights[:4], ids[:4], out=torch.empty(4, 31))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA only: small shapes (memcheck), CUDA graphs, PDL
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+def test_garbage_ids_and_padding_bitwise_bf16() -> None:
+    """Stale/duplicate/-1/out-of-range ids dropped and counted exactly; padding rows with NaN and
+    garbage leave real rows bitwise identical; padded rows exact zeros; workspace poisoned."""
+    num_tokens, valid, num_experts, top_k, hidden, inter = 300, 211, 12, 4, 128, 64
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    gen = torch.Generator().manual_seed(5)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to("cuda")
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights = torch.rand(num_tokens, top_k, device="cuda")
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    views.intermediate.fill_(math.nan)
+    views.y.fill_(math.nan)
+    views.sorted_slots.fill_(STALE_ID)
+    health = new_health_tensor("cuda")
+    clean_x, clean_w, clean_ids = x.clone(), weights.clone(), ids.clone()
+    clean_x[valid:], clean_w[valid:], clean_ids[valid:] = 0, 0, -1
+    nv = torch.tensor(valid, device="cuda")
+    clean = safemoe.experts(clean_x, w13, w2, safemoe.Routing(clean_w, clean_ids), num_valid=nv,
+                            backend="triton", health=health, workspace=ws)
+    dropped = dispatch_reference(ids, num_experts, _nv(valid, num_tokens, "cuda")).dropped
+    assert int(health[DROPPED_SLOTS]) == dropped > 0
+    dirty_x, dirty_w, dirty_ids = x.clone(), weights.clone(), ids.clone()
+    dirty_x[valid:], dirty_w[valid:], dirty_ids[valid:] = math.nan, math.nan, STALE_ID
+    dirty = _run(dirty_x, w13, w2, dirty_w, dirty_ids, num_valid=nv, workspace=ws,
+                 out=poisoned(x.shape, torch.bfloat16, "cuda"))
+    assert_equal(dirty[:valid], clean[:valid], what="real rows")
+    assert_equal(dirty[valid:], torch.zeros_like(dirty[valid:]), what="padded rows")
+    _check_rel(clean[:valid], _reference(x, w13, w2, weights, ids, num_valid=valid)[:valid], "garbage ids")
+    assert int(views.counts.abs().sum()) == 0 and int(views.ticket.item()) == 0, "counters not reset"
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+def test_graph_replay_with_num_valid_changed() -> None:
+    """Route + experts captured in one CUDA graph; replays with the device num_valid changed."""
+    num_tokens, num_experts, top_k, hidden, inter = 96, 16, 4, 128, 64
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", dtype=torch.bfloat16)
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    health = new_health_tensor("cuda")
+    out = torch.empty_like(x)
+    route_backend = "triton"
+    try:
+        safemoe.route(logits, top_k, num_valid=nv, backend="triton")
+    except (RuntimeError, NotImplementedError, ImportError):
+        route_backend = "reference"  # the router kernel is another issue; the graph still holds both
+
+    def layer() -> None:
+        routing = safemoe.route(logits, top_k, num_valid=nv, backend=route_backend, health=health)
+        out.copy_(safemoe.experts(x, w13, w2, routing, num_valid=nv, backend="triton", health=health,
+                                  workspace=ws))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    for count in (num_tokens, 1, 0, 37, num_tokens - 1):
+        nv.fill_(count)
+        x[count:] = math.nan
+        logits[count:] = math.nan
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = moe_reference(x, logits, w13, w2, top_k, num_valid=_nv(count, num_tokens, "cuda"))
+        if count:
+            _check_rel(out[:count], ref[:count], f"graph num_valid={count}")
+        assert_equal(out[count:], torch.zeros_like(out[count:]), what=f"padded rows num_valid={count}")
+        x[count:] = torch.randn(num_tokens - count, hidden, device="cuda", dtype=torch.bfloat16)
+        logits[count:] = torch.randn(num_tokens - count, num_experts, device="cuda", dtype=torch.bfloat16)
+    assert int(health[DROPPED_SLOTS]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+def test_pdl_and_tma_configs_in_graph() -> None:
+    """Programmatic dependent launch and TMA weight loads, captured in a graph and replayed with a
+    changed num_valid: the same bits as plain launches (PDL) and close to pointer loads (TMA)."""
+    num_tokens, num_experts, top_k, hidden, inter = 200, 16, 4, 256, 192
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    plain = ExpertsConfig(32, GemmTiles(64, 64, 4, 4, 3), GemmTiles(64, 64, 4, 4, 3))
+    variants = {
+        "plain": plain,
+        "pdl": ExpertsConfig(32, plain.gemm1, plain.gemm2, pdl=True),
+        "tma": ExpertsConfig(32, GemmTiles(64, 64, 4, 4, 3, tma=True), GemmTiles(64, 64, 4, 4, 3, tma=True),
+                             pdl=True),
+    }
+    for count in (num_tokens, 3):
+        nv.fill_(count)
+        results = {}
+        for name, cfg in variants.items():
+            ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+            out = torch.empty_like(x)
+
+            def step(cfg=cfg, ws=ws, out=out) -> None:
+                _run(x, w13, w2, weights, ids, num_valid=nv, workspace=ws, out=out, config=cfg)
+
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            out.fill_(math.nan)
+            graph.replay()
+            torch.cuda.synchronize()
+            results[name] = out.clone()
+        assert_equal(results["pdl"], results["plain"], what=f"pdl vs plain, num_valid={count}")
+        _check_rel(results["tma"][:count], results["plain"][:count], f"tma vs pointers, num_valid={count}",
+                   tol=1e-3)
+        ref = _reference(x, w13, w2, weights, ids, num_valid=count)
+        _check_rel(results["plain"][:count], ref[:count], f"plain num_valid={count}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA only: real model shapes and large token counts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+def test_model_shapes_bf16(model: str) -> None:
+    num_experts, top_k, hidden, inter, activation = MODEL_SHAPES[model]
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    for num_tokens in (1, 64, 1000) if num_experts > 8 else (3, 300):
+        x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _gpu_routing(num_tokens, top_k, num_experts, seed=num_tokens)
+        out = _run(x, w13, w2, weights, ids, activation=activation)
+        ref = _reference(x, w13, w2, weights, ids, activation=activation)
+        _check_rel(out, ref, f"{model} T={num_tokens}")
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_int64_addressing_past_2_31() -> None:
+    """T*K*H > 2^31: y offsets and out offsets need int64; the last rows are where int32 would wrap."""
+    num_experts, top_k, hidden, inter = 16, 8, 2048, 64
+    num_tokens = 2**31 // (top_k * hidden) + 1000  # 132072 tokens, T*K*H = 2.16e9
+    assert num_tokens * top_k * hidden > 2**31
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
+    out = _run(x, w13, w2, weights, ids)
+    tail = slice(num_tokens - 3000, num_tokens)
+    ref = _reference(x[tail].contiguous(), w13, w2, weights[tail].contiguous(), ids[tail].contiguous())
+    _check_rel(out[tail], ref, "last rows past 2^31")
+    head = slice(0, 500)
+    ref = _reference(x[head].contiguous(), w13, w2, weights[head].contiguous(), ids[head].contiguous())
+    _check_rel(out[head], ref, "first rows")
+
+
+@pytest.mark.gpu
+def test_padding_same_config_bitwise_and_t1_vs_t1024(record_property) -> None:
+    """Same T: real rows bitwise equal with or without padding (asserted). T=1024 with num_valid=1
+    against T=1 (different token buckets, possibly different tiles): recorded, not asserted."""
+    num_experts, top_k, hidden, inter, _ = MODEL_SHAPES["qwen3-30b-a3b"]
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    x = torch.randn(1024, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(1024, top_k, num_experts)
+    full = _run(x, w13, w2, weights, ids, num_valid=torch.tensor(1, device="cuda"))
+    dirty_x = x.clone()
+    dirty_x[1:] = math.nan
+    dirty_ids = ids.clone()
+    dirty_ids[1:] = STALE_ID
+    dirty = _run(dirty_x, w13, w2, weights, dirty_ids, num_valid=1)
+    assert_equal(dirty[:1], full[:1], what="same T, padding NaN vs random")
+    single = _run(x[:1].contiguous(), w13, w2, weights[:1].contiguous(), ids[:1].contiguous())
+    same = bool(torch.equal(single.view(torch.int16), full[:1].view(torch.int16)))
+    record_property("t1_vs_t1024_bitwise", same)
+    print(f"T=1 vs T=1024,num_valid=1 bitwise equal: {same}")
+    _check_rel(single, full[:1], "T=1 vs T=1024 num_valid=1")
