@@ -1,6 +1,6 @@
 """One front door: `RouteConfig` travels whole through every entry point, and every entry point
 (`moe()`, `MoE`, `patch`, `EPMoE`) takes fp8 expert weights and a workspace, compared with the
-reference. Triton cases run under the interpreter on CPU (small shapes) and compiled on CUDA."""
+reference. Every case takes the `device` fixture: the Triton interpreter on CPU, compiled on CUDA."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from safemoe import RouteConfig
 from safemoe._checks import NumValid
 from safemoe.reference import experts_fp8_reference, route_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T, E, K, H, I = 12, 8, 2, 64, 64  # noqa: E741 (the project's shape names)
 FP8_TOL = (3e-2, 6e-2)  # bf16 x fp8 vs the fp8 reference: relative Frobenius error, worst / max |ref|
 
@@ -72,10 +71,10 @@ def test_route_config_is_frozen_and_checks_e():
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_route_takes_the_config_whole_or_as_options(backend):
+def test_route_takes_the_config_whole_or_as_options(device, backend):
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(T, E, generator=gen).to(DEVICE)
-    bias = (torch.randn(E, generator=gen) / 8).to(DEVICE)
+    logits = torch.randn(T, E, generator=gen).to(device)
+    bias = (torch.randn(E, generator=gen) / 8).to(device)
     options = dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, renormalize=True)
     whole = safemoe.route(logits, RouteConfig(3, **options), bias=bias, num_valid=9, backend=backend)
     split = safemoe.route(logits, 3, bias=bias, num_valid=9, backend=backend, **options)
@@ -90,7 +89,7 @@ def test_route_takes_the_config_whole_or_as_options(backend):
     with pytest.raises(TypeError, match=r"unknown routing option\(s\) \['foo'\]"):
         safemoe.route(logits, 3, foo=1)
     with pytest.raises(TypeError, match="foo"):
-        safemoe.moe(logits.new_zeros(T, H), logits, *_weights(torch.float32), 2, foo=1)
+        safemoe.moe(logits.new_zeros(T, H), logits, *_weights(torch.float32, device), 2, foo=1)
 
 
 def test_modules_hold_the_config_whole():
@@ -107,29 +106,29 @@ def test_modules_hold_the_config_whole():
 # -- fp8 and workspaces through every entry point -------------------------------------------------
 
 
-def _weights(dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def _weights(dtype: torch.dtype, device: str = "cpu", seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     w13 = torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)
     w2 = torch.randn(E, H, I, generator=gen) / math.sqrt(I)
-    return w13.to(dtype).to(DEVICE), w2.to(dtype).to(DEVICE)
+    return w13.to(dtype).to(device), w2.to(dtype).to(device)
 
 
-def _padded_x(num_valid: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _padded_x(num_valid: int, device: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
     x[num_valid:] = math.nan
-    return x.to(DEVICE)
+    return x.to(device)
 
 
 @pytest.mark.parametrize("mode", ["per_tensor", "block"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_moe_function_takes_fp8_and_a_workspace(mode, backend):
-    w13, w2 = _weights(torch.float32)
+def test_moe_function_takes_fp8_and_a_workspace(device, mode, backend):
+    w13, w2 = _weights(torch.float32, device)
     q13, q2, s13, s2 = safemoe.quantize_experts(w13, w2, mode)
-    x = _padded_x(9)
-    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    x = _padded_x(9, device)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(3)).to(device)
     config = RouteConfig(K, scoring="sigmoid")
-    ws = safemoe.Workspace(T, E, K, H, I, torch.bfloat16, DEVICE, fp8=True)
-    health = safemoe.new_health_tensor(DEVICE)
+    ws = safemoe.Workspace(T, E, K, H, I, torch.bfloat16, device, fp8=True)
+    health = safemoe.new_health_tensor(device)
     out = safemoe.moe(x, logits, q13, q2, config, num_valid=9, backend=backend, workspace=ws,
                       w13_scale=s13, w2_scale=s2, health=health)  # fmt: skip
     weights, ids = route_reference(logits, config, num_valid=NumValid(9, None))
@@ -138,7 +137,7 @@ def test_moe_function_takes_fp8_and_a_workspace(mode, backend):
     assert_equal(out[9:], torch.zeros_like(out[9:]), what="padded rows")
     assert int(health[safemoe.health.PADDED_ROWS]) == T - 9
     # The workspace is checked on every backend: one without fp8 buffers is refused up front.
-    plain = safemoe.Workspace(T, E, K, H, I, torch.bfloat16, DEVICE)
+    plain = safemoe.Workspace(T, E, K, H, I, torch.bfloat16, device)
     with pytest.raises(ValueError, match="fp8=True"):
         safemoe.moe(x, logits, q13, q2, config, backend=backend, workspace=plain, w13_scale=s13, w2_scale=s2)
     with pytest.raises(TypeError, match="workspace"):
@@ -146,10 +145,10 @@ def test_moe_function_takes_fp8_and_a_workspace(mode, backend):
 
 
 @pytest.mark.parametrize("mode", ["per_tensor", "block"])
-def test_module_quantize_runs_the_fp8_kernels(mode):
+def test_module_quantize_runs_the_fp8_kernels(device, mode):
     moe = safemoe.MoE(H, I, E, RouteConfig(K), shared_intermediate_size=32, shared_expert_gate=True,
-                      dtype=torch.bfloat16, device=DEVICE, backend="triton")  # fmt: skip
-    x = _padded_x(7)
+                      dtype=torch.bfloat16, device=device, backend="triton")  # fmt: skip
+    x = _padded_x(7, device)
     with torch.no_grad():
         dense = moe(x, num_valid=7)
         w13, w2 = moe.w13.detach().clone(), moe.w2.detach().clone()
@@ -168,8 +167,8 @@ def test_module_quantize_runs_the_fp8_kernels(mode):
     with pytest.raises(ValueError, match="fp8 already"):
         moe.quantize_(mode)
     with pytest.raises(ValueError, match="fp8=True"):
-        moe.set_workspace(safemoe.Workspace(T, E, K, H, I, torch.bfloat16, DEVICE))
-    moe.set_workspace(safemoe.Workspace(T, E, K, H, I, torch.bfloat16, DEVICE, fp8=True))
+        moe.set_workspace(safemoe.Workspace(T, E, K, H, I, torch.bfloat16, device))
+    moe.set_workspace(safemoe.Workspace(T, E, K, H, I, torch.bfloat16, device, fp8=True))
     moe.backend = moe.gate.backend = "triton"
     with torch.no_grad():
         assert_equal(moe(x, num_valid=7), got, what="with a shared fp8 workspace")
@@ -186,7 +185,7 @@ def test_module_quantize_rejects():
         moe.quantize_("block")
 
 
-def test_patch_quantizes_every_block():
+def test_patch_quantizes_every_block(device):
     transformers = pytest.importorskip("transformers")
     from safemoe.integrations.transformers import patch, patched_blocks
 
@@ -196,14 +195,14 @@ def test_patch_quantizes_every_block():
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).to(DEVICE).eval()
-    ids = torch.randint(0, 64, (2, 6), device=DEVICE)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).to(device).eval()
+    ids = torch.randint(0, 64, (2, 6), device=device)
     with torch.no_grad():
         stock = model(ids).logits.float()
     with pytest.raises(ValueError, match="quant"):
         patch(model, quant="int4")
     with pytest.raises(ValueError, match="fp8=True"):
-        patch(model, quant="block", workspace=safemoe.Workspace(12, E, K, H, I, torch.bfloat16, DEVICE))
+        patch(model, quant="block", workspace=safemoe.Workspace(12, E, K, H, I, torch.bfloat16, device))
     patch(model, quant="block", backend="triton")
     blocks = patched_blocks(model)
     assert len(blocks) == 2 and all(b.moe.quant == "block" for b in blocks)
