@@ -15,8 +15,9 @@ import torch
 
 import safemoe.bench as bench
 from helpers import assert_close, assert_equal, tie_free_logits
+from safemoe import peers
 from safemoe.bench import cli as bench_cli
-from safemoe.bench import harness, peers
+from safemoe.bench import harness
 from safemoe.reference import experts_reference, route_reference
 
 REPO = Path(__file__).resolve().parents[1]

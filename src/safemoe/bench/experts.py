@@ -172,7 +172,7 @@ def _case_rows(
     ceilings: DeviceCeilings,
     quick: bool,
 ) -> list[BenchRow]:
-    from safemoe.bench.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, vllm_fused_experts
+    from safemoe.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, vllm_fused_experts
 
     num_experts, top_k, hidden, inter, activation = shape
     inputs = _Inputs(shape, num_tokens, w13.device, seed=num_tokens)

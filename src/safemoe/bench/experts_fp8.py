@@ -119,7 +119,7 @@ def _scaled_grouped_mm_experts(
 ) -> torch.Tensor:
     """Per-tensor fp8 experts through torch._scaled_grouped_mm (rowwise scales: per-token
     activation scales, each weight column scaled by its expert's per-tensor scale)."""
-    from safemoe.bench.peers import PeerUnavailable
+    from safemoe.peers import PeerUnavailable
     from safemoe.reference import FP8_DTYPE, FP8_MAX, activation_reference
 
     op = getattr(torch, "_scaled_grouped_mm", None)
@@ -164,7 +164,7 @@ def _vllm_fp8_experts(
     ids: torch.Tensor,
     block: bool,
 ) -> torch.Tensor:
-    from safemoe.bench.peers import PeerUnavailable
+    from safemoe.peers import PeerUnavailable
 
     try:
         from vllm.model_executor.layers.fused_moe import fused_experts
@@ -214,8 +214,8 @@ def _case_rows(
     with_bf16: bool = True,
 ) -> list[BenchRow]:
     from safemoe._checks import NumValid
-    from safemoe.bench.peers import PeerUnavailable
     from safemoe.kernels.experts import experts_triton
+    from safemoe.peers import PeerUnavailable
     from safemoe.workspace import Workspace
 
     num_experts, top_k, hidden, inter, activation = shape

@@ -31,7 +31,7 @@ from safemoe.bench.harness import (
     time_auto,
     time_eager,
 )
-from safemoe.bench.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, torch_route
+from safemoe.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, torch_route
 
 SUITE = "reference"
 

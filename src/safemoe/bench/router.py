@@ -182,7 +182,7 @@ def _safemoe_step(case: Case, inputs: Inputs, *, impl: str, config: Any = None) 
 
 
 def _peer_step(impl: str, case: Case, inputs: Inputs) -> Callable[[int], object]:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     fn = {"torch-eager": peers.torch_route, "torch-eager+nan_to_num": peers.torch_route,
           "torch-compile": peers.compiled_torch_route, "vllm": peers.vllm_route,
@@ -210,7 +210,7 @@ def _time_row(row: BenchRow, step: Callable[[int], object], n_variants: int, qui
         if how != "graph":
             row.note = how
     except Exception as exc:  # PeerUnavailable and real failures alike: keep the other rows
-        from safemoe.bench.peers import PeerUnavailable
+        from safemoe.peers import PeerUnavailable
 
         text = str(exc).splitlines()[0][:200] if str(exc) else ""
         row.note = text if isinstance(exc, PeerUnavailable) else f"error: {type(exc).__name__}: {text}"

@@ -13,7 +13,7 @@ needs from that: real rows unaffected, every row's routing still in range and fi
 row's ids feed the same dispatch), no crash. Padded rows need not be zeros there.
 
 Registered backends (`BACKENDS`): the safemoe ones (`reference`, `triton`) and the peers (`torch`:
-eager HF-style routing and per-expert loop from `safemoe.bench.peers`; `hf-eager`,
+eager HF-style routing and per-expert loop from `safemoe.peers`; `hf-eager`,
 `hf-grouped_mm`, `hf-batched_mm`: the installed transformers' experts implementations; `vllm`,
 `sglang`, `flashinfer`: their ops when importable). A plugin (`--plugin FILE.py`) can register
 more with `register_backend`.
@@ -368,7 +368,7 @@ def _ops(route: bool, experts: bool) -> dict[str, OpStatus]:
 
 
 def torch_adapter(device: torch.device) -> Adapter:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     return _peer(
         "torch",
@@ -426,7 +426,7 @@ class _HFExperts:
 
 
 def hf_adapter(device: torch.device, implementation: str) -> Adapter:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     name = f"hf-{implementation}"
     description = f"transformers' {implementation} experts implementation (Qwen3MoeExperts), torch routing"
@@ -486,7 +486,7 @@ def _library_adapter(
     if device.type != "cuda":
         adapter.available, adapter.reason = False, f"{name}'s MoE ops need CUDA tensors"
         return adapter
-    from safemoe.bench.peers import PeerUnavailable
+    from safemoe.peers import PeerUnavailable
 
     def guard(fn: Any) -> Any:
         if fn is None:
@@ -508,7 +508,7 @@ def _library_adapter(
 
 
 # name -> (module whose import decides "installed", description, route and experts functions
-# of safemoe.bench.peers, None where the library has no such op).
+# of safemoe.peers, None where the library has no such op).
 LIBRARY_PEERS: dict[str, tuple[str, str, str | None, str]] = {
     "vllm": ("vllm.model_executor.layers.fused_moe",
              "vLLM fused_topk / grouped_topk routing, Triton fused_experts",
@@ -522,7 +522,7 @@ LIBRARY_PEERS: dict[str, tuple[str, str, str | None, str]] = {
 
 
 def library_adapter(device: torch.device, name: str) -> Adapter:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     module, description, route, experts = LIBRARY_PEERS[name]
     route_fn = getattr(peers, route) if route is not None else None

@@ -1,4 +1,6 @@
-"""Peer implementations the bench measures safemoe against, side by side in the same run.
+"""Peer implementations: what `safemoe bench` measures safemoe against (side by side in the same
+run) and what `safemoe check` holds to the same contract (its `torch`, `vllm`, `sglang` and
+`flashinfer` backends).
 
 - torch, the way Hugging Face models route and run experts: `torch_route` (softmax/sigmoid + topk
   + renormalise; DeepSeek-V3's grouped selection with its correction bias), `compiled_torch_route`
@@ -6,7 +8,7 @@
   blocks), `grouped_mm_experts` (sort slots by expert, then torch's grouped GEMM, as transformers'
   "grouped_mm" experts implementation does).
 - vLLM, SGLang and FlashInfer ops when those libraries are importable; otherwise the adapter raises
-  `PeerUnavailable` saying so (the suites record the row as unavailable, never as passed).
+  `PeerUnavailable` saying so (recorded as unavailable, never as passed).
 
 The torch peers are our own code following the published algorithms; they keep the peers' own
 behaviour (no NaN sanitising unless `nan_to_num=True`, torch.topk tie order, int64 ids as
