@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import math
@@ -139,6 +140,50 @@ def test_registry_missing_suite(monkeypatch, tmp_path, capsys):
     assert bench.load_suite("reference") is not None
     with pytest.raises(KeyError):
         bench.load_suite("nope")
+
+
+def _safemoe_imports(path: Path) -> list[tuple[str, str | None, int]]:
+    """(module, imported name or None, line) of every `safemoe` import in a source file, and
+    (module, attribute, line) for every `alias._attr` on a safemoe module bound by an import."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, str | None, int]] = []
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("safemoe"):
+                    found.append((alias.name, None, node.lineno))
+                    aliases[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("safemoe"):
+            for alias in node.names:
+                found.append((str(node.module), alias.name, node.lineno))
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            found.append((aliases[node.value.id], node.attr, node.lineno))
+    return found
+
+
+def test_tooling_layering():
+    """check/ never imports the bench; the bench imports neither the demo command nor the check,
+    nor a private (`_name`) name of another safemoe module (the peers live in safemoe.peers, the
+    demo's models in safemoe.demo_models)."""
+    src = REPO / "src" / "safemoe"
+    bad = []
+    for path in sorted((src / "check").rglob("*.py")):
+        bad += [f"{path.name}:{line} imports {module}" for module, _, line in _safemoe_imports(path)
+                if module.startswith("safemoe.bench")]
+    for path in sorted((src / "bench").rglob("*.py")):
+        own = f"safemoe.bench.{path.stem}"
+        for module, name, line in _safemoe_imports(path):
+            target = f"{module}.{name}" if name else module
+            if target.startswith(("safemoe.demo", "safemoe.check")) and not target.startswith(
+                "safemoe.demo_models"
+            ):
+                bad.append(f"{path.name}:{line} imports {target}")
+            elif name and name.startswith("_") and not name.startswith("__") and module != own:
+                bad.append(f"{path.name}:{line} uses the private {module}.{name}")
+    assert not bad, bad
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:

@@ -174,8 +174,8 @@ def _safemoe_step(case: Case, inputs: Inputs, *, impl: str, config: Any = None) 
     args = case.args()
 
     def step(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        router._launch(inputs.logits[j], args, bias=inputs.bias, num_valid=nv, health=health,
-                       weights_out=weights, ids_out=ids, config=config, sanitize=safe, padding=safe)
+        router.launch_router(inputs.logits[j], args, bias=inputs.bias, num_valid=nv, health=health,
+                             weights_out=weights, ids_out=ids, config=config, sanitize=safe, padding=safe)
         return weights, ids
 
     return step
