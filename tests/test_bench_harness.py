@@ -137,7 +137,7 @@ def test_registry_missing_suite(monkeypatch, tmp_path, capsys):
     assert bench.load_suite("ghost") is None
     assert bench_cli.run_suite("ghost", CEILINGS, tmp_path, quick=True) == "not built yet"
     assert "not built yet" in capsys.readouterr().out
-    assert bench.load_suite("reference") is not None
+    assert bench.load_suite("layer") is not None
     with pytest.raises(KeyError):
         bench.load_suite("nope")
 

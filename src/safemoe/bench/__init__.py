@@ -12,7 +12,7 @@ SUITES: dict[str, str] = {
     "router": "safemoe.bench.router",
     "experts": "safemoe.bench.experts",
     "runtime": "safemoe.bench.runtime",
-    "reference": "safemoe.bench.reference",
+    "layer": "safemoe.bench.layer",
     "experts_fp8": "safemoe.bench.experts_fp8",
     "ep": "safemoe.bench.ep",
 }
