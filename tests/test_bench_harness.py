@@ -20,6 +20,7 @@ from safemoe import peers
 from safemoe.bench import cli as bench_cli
 from safemoe.bench import harness
 from safemoe.reference import experts_reference, route_reference
+from safemoe.route_config import RouteConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CEILINGS = harness.DeviceCeilings(
@@ -251,6 +252,32 @@ def test_torch_route_matches_reference(mode):
         want_w, want_ids = _by_id(ref_w, ref_ids)
         assert_equal(ids, want_ids, what=f"{mode} ids")
         assert_close(w, want_w, what=f"{mode} weights")
+    # The config whole, as the bench and the check pass it: the same routing.
+    options = {k: v for k, v in kwargs.items() if k != "bias"}
+    whole = peers.torch_route(logits, RouteConfig(top_k, **options), bias=kwargs.get("bias"))
+    by_keywords = peers.torch_route(logits, top_k, **kwargs)
+    assert_equal(whole[1], by_keywords[1], what=f"{mode} ids, config whole")
+    assert_equal(whole[0], by_keywords[0], what=f"{mode} weights, config whole")
+    with pytest.raises(TypeError, match="RouteConfig"):
+        peers.torch_route(logits, RouteConfig(top_k), scoring="sigmoid")
+
+
+def test_router_suite_cases_route_with_their_config():
+    """Each router shape holds one RouteConfig; the torch peer and the reference route it alike."""
+    from safemoe.bench import router
+
+    generator = torch.Generator().manual_seed(4)
+    for name, case in router.CASES.items():
+        case.route.check(case.num_experts)
+        logits = tie_free_logits(6, case.num_experts, generator=generator)
+        bias = torch.randperm(case.num_experts, generator=generator).float() / (8 * case.num_experts)
+        bias = bias if case.bias else None
+        weights, ids = peers.torch_route(logits, case.route, bias=bias)
+        assert router.contract_violations(weights, ids.int(), case.num_experts, 6) == 0, name
+        want_w, want_ids = _by_id(*route_reference(logits, case.route, bias=bias))
+        got_w, got_ids = _by_id(weights, ids)
+        assert_equal(got_ids, want_ids, what=f"{name} ids")
+        assert_close(got_w, want_w, what=f"{name} weights")
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])

@@ -85,7 +85,7 @@ def _moe_bytes(model: Any, xs: list[torch.Tensor]) -> int:
     for block in _moe_blocks(model):
         weight = block.gate.weight if hasattr(block, "gate") else block.moe.gate.weight
         logits = xs[0] @ weight.t()
-        ids = safemoe.route(logits, top_k, renormalize=True, backend="reference").ids
+        ids = safemoe.route(logits, top_k, backend="reference").ids  # the experts each token picks
         distinct = int(torch.unique(ids).numel())
         total += (distinct * 3 * hidden * inter + num_experts * hidden) * 2
     return total
