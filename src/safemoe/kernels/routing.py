@@ -450,7 +450,7 @@ def route_into(
                   weights_out=weights_out, ids_out=ids_out)
 
 
-_launch = launch_router  # the name tests/test_router_triton.py and tests/gpu call it by
+_launch = launch_router  # the name tests/test_router.py calls it by
 
 
 def route_triton(
