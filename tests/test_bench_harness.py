@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import math
@@ -15,9 +16,11 @@ import torch
 
 import safemoe.bench as bench
 from helpers import assert_close, assert_equal, tie_free_logits
+from safemoe import peers
 from safemoe.bench import cli as bench_cli
-from safemoe.bench import harness, peers
+from safemoe.bench import harness
 from safemoe.reference import experts_reference, route_reference
+from safemoe.route_config import RouteConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CEILINGS = harness.DeviceCeilings(
@@ -135,9 +138,53 @@ def test_registry_missing_suite(monkeypatch, tmp_path, capsys):
     assert bench.load_suite("ghost") is None
     assert bench_cli.run_suite("ghost", CEILINGS, tmp_path, quick=True) == "not built yet"
     assert "not built yet" in capsys.readouterr().out
-    assert bench.load_suite("reference") is not None
+    assert bench.load_suite("layer") is not None
     with pytest.raises(KeyError):
         bench.load_suite("nope")
+
+
+def _safemoe_imports(path: Path) -> list[tuple[str, str | None, int]]:
+    """(module, imported name or None, line) of every `safemoe` import in a source file, and
+    (module, attribute, line) for every `alias._attr` on a safemoe module bound by an import."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, str | None, int]] = []
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("safemoe"):
+                    found.append((alias.name, None, node.lineno))
+                    aliases[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("safemoe"):
+            for alias in node.names:
+                found.append((str(node.module), alias.name, node.lineno))
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            found.append((aliases[node.value.id], node.attr, node.lineno))
+    return found
+
+
+def test_tooling_layering():
+    """check/ never imports the bench; the bench imports neither the demo command nor the check,
+    nor a private (`_name`) name of another safemoe module (the peers live in safemoe.peers, the
+    demo's models in safemoe.demo_models)."""
+    src = REPO / "src" / "safemoe"
+    bad = []
+    for path in sorted((src / "check").rglob("*.py")):
+        bad += [f"{path.name}:{line} imports {module}" for module, _, line in _safemoe_imports(path)
+                if module.startswith("safemoe.bench")]
+    for path in sorted((src / "bench").rglob("*.py")):
+        own = f"safemoe.bench.{path.stem}"
+        for module, name, line in _safemoe_imports(path):
+            target = f"{module}.{name}" if name else module
+            if target.startswith(("safemoe.demo", "safemoe.check")) and not target.startswith(
+                "safemoe.demo_models"
+            ):
+                bad.append(f"{path.name}:{line} imports {target}")
+            elif name and name.startswith("_") and not name.startswith("__") and module != own:
+                bad.append(f"{path.name}:{line} uses the private {module}.{name}")
+    assert not bad, bad
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
@@ -205,6 +252,32 @@ def test_torch_route_matches_reference(mode):
         want_w, want_ids = _by_id(ref_w, ref_ids)
         assert_equal(ids, want_ids, what=f"{mode} ids")
         assert_close(w, want_w, what=f"{mode} weights")
+    # The config whole, as the bench and the check pass it: the same routing.
+    options = {k: v for k, v in kwargs.items() if k != "bias"}
+    whole = peers.torch_route(logits, RouteConfig(top_k, **options), bias=kwargs.get("bias"))
+    by_keywords = peers.torch_route(logits, top_k, **kwargs)
+    assert_equal(whole[1], by_keywords[1], what=f"{mode} ids, config whole")
+    assert_equal(whole[0], by_keywords[0], what=f"{mode} weights, config whole")
+    with pytest.raises(TypeError, match="RouteConfig"):
+        peers.torch_route(logits, RouteConfig(top_k), scoring="sigmoid")
+
+
+def test_router_suite_cases_route_with_their_config():
+    """Each router shape holds one RouteConfig; the torch peer and the reference route it alike."""
+    from safemoe.bench import router
+
+    generator = torch.Generator().manual_seed(4)
+    for name, case in router.CASES.items():
+        case.route.check(case.num_experts)
+        logits = tie_free_logits(6, case.num_experts, generator=generator)
+        bias = torch.randperm(case.num_experts, generator=generator).float() / (8 * case.num_experts)
+        bias = bias if case.bias else None
+        weights, ids = peers.torch_route(logits, case.route, bias=bias)
+        assert router.contract_violations(weights, ids.int(), case.num_experts, 6) == 0, name
+        want_w, want_ids = _by_id(*route_reference(logits, case.route, bias=bias))
+        got_w, got_ids = _by_id(weights, ids)
+        assert_equal(got_ids, want_ids, what=f"{name} ids")
+        assert_close(got_w, want_w, what=f"{name} weights")
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])

@@ -36,3 +36,16 @@ def test_make_stream_has_padded_and_unpadded_batches():
     sizes = [len(b) for b in stream]
     assert all(1 <= s <= 24 for s in sizes)
     assert any(s & (s - 1) == 0 for s in sizes) and any(s & (s - 1) for s in sizes)
+
+
+def test_demo_models_live_apart_from_tile_tables() -> None:
+    """The demo's model configs ship in safemoe.demo_models; safemoe.configs holds tile tables only."""
+    from importlib import resources
+
+    from safemoe import demo_models
+
+    for name in demo_models.CONFIGS:
+        config = demo_models.load_config(name, num_layers=1)
+        assert config.num_hidden_layers == 1 and config.num_experts > config.num_experts_per_tok
+    tile_tables = [p.name for p in resources.files("safemoe.configs").iterdir() if p.name.endswith(".json")]
+    assert tile_tables and not [name for name in tile_tables if "qwen3_moe" in name], tile_tables

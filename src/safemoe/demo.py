@@ -1,8 +1,8 @@
 """`safemoe demo`: the stock transformers MoE and safemoe side by side on padded decode batches.
 
-A Qwen3-MoE model with random weights is built from a config shipped in the package (tiny on CPU;
-on a GPU a few layers at Qwen3-30B-A3B dimensions). A stream of decode-shaped batches (one new
-token per sequence, batch sizes drawn at random) is padded up to the CUDA-graph buckets 1, 2, 4,
+A Qwen3-MoE model with random weights is built from a config of `safemoe.demo_models` (tiny on
+CPU; on a GPU a few layers at Qwen3-30B-A3B dimensions). A stream of decode-shaped batches (one
+new token per sequence, batch sizes drawn at random) is padded up to the CUDA-graph buckets 1, 2, 4,
 ... and, in every layer, the padding rows of the attention output are overwritten with NaN (what a
 stale attention buffer holds in a real engine). The same stream runs through the stock model and
 through the safemoe-patched model (bucketed CUDA graphs on a GPU, the same bucketing eagerly on
@@ -24,64 +24,15 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from safemoe.demo_models import build_model, decode_logits, load_config
 from safemoe.graphs import CUDAGraphRunner
 from safemoe.health import Health
-
-CONFIGS = {"tiny": "demo_qwen3_moe_tiny.json", "gpu": "demo_qwen3_moe_gpu.json"}
-
-
-# -- model ------------------------------------------------------------------------------------
-def load_config(name_or_path: str, num_layers: int | None = None) -> Any:
-    """A transformers Qwen3MoeConfig from a shipped config name ("tiny", "gpu") or a JSON path."""
-    from transformers import Qwen3MoeConfig
-
-    if name_or_path in CONFIGS:
-        text = resources.files("safemoe.configs").joinpath(CONFIGS[name_or_path]).read_text()
-    else:
-        text = Path(name_or_path).read_text()
-    values = {k: v for k, v in json.loads(text).items() if not k.startswith("_") and k != "model_type"}
-    if num_layers is not None:
-        values["num_hidden_layers"] = num_layers
-    return Qwen3MoeConfig(**values)
-
-
-def build_model(config: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A random-initialised Qwen3MoeForCausalLM, created directly on `device` in `dtype`."""
-    from transformers import Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model: Any = Qwen3MoeForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def decode_logits(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """One decode step for B one-token sequences: input_ids [B] -> fp32 logits [B, V].
-
-    Runs the decoder layers directly (no KV cache, no mask construction: nothing that could
-    synchronise with the host inside a captured graph)."""
-    inner = model.model
-    hidden = inner.embed_tokens(input_ids[:, None])  # [B, 1, H]
-    positions = position_ids[:, None]  # [B, 1]
-    position_embeddings = inner.rotary_emb(hidden, positions)
-    for layer in inner.layers:
-        hidden = layer(
-            hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings
-        )
-    hidden = inner.norm(hidden)
-    return model.lm_head(hidden[:, 0]).float()
 
 
 # -- probes -----------------------------------------------------------------------------------

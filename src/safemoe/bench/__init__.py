@@ -1,4 +1,4 @@
-"""safemoe's benchmarks: one harness (`safemoe.bench.harness`), peers (`safemoe.bench.peers`) and
+"""safemoe's benchmarks: one harness (`safemoe.bench.harness`), peers (`safemoe.peers`) and
 one module per suite, each exposing `run(ceilings, *, quick) -> list[BenchRow]` and optionally
 `plot(rows, out_dir)`. Suites are imported lazily, only when run; a suite whose module does not
 exist yet is reported as "not built yet". See docs/bench.md."""
@@ -12,7 +12,7 @@ SUITES: dict[str, str] = {
     "router": "safemoe.bench.router",
     "experts": "safemoe.bench.experts",
     "runtime": "safemoe.bench.runtime",
-    "reference": "safemoe.bench.reference",
+    "layer": "safemoe.bench.layer",
     "experts_fp8": "safemoe.bench.experts_fp8",
     "ep": "safemoe.bench.ep",
 }

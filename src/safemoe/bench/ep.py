@@ -56,9 +56,9 @@ import torch
 from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
-    _event_times_us,
     bytes_floor_us,
     distinct_experts,
+    event_times_us,
     flops_floor_us,
     moe_floor_us,
     moe_flops,
@@ -126,7 +126,7 @@ def _time_graph_all_ranks(
         del graph
         return None, "capture failed: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
     dist.barrier(group=ctrl)
-    times = _event_times_us(graph.replay, iters=replays, warmup=1)
+    times = event_times_us(graph.replay, iters=replays, warmup=1)
     del graph
     return statistics.median(times) / calls, "graph"
 
@@ -140,7 +140,7 @@ def _time_eager_all_ranks(step: Callable[[int], object], ctrl: Any, iters: int) 
     dist.barrier(group=ctrl)
     counter = iter(range(1 << 30))
     return statistics.median(
-        _event_times_us(lambda: step(next(counter) % N_VARIANTS), iters=iters, warmup=0)
+        event_times_us(lambda: step(next(counter) % N_VARIANTS), iters=iters, warmup=0)
     )
 
 
@@ -173,7 +173,7 @@ def _measure(
     dispatch sends to each peer."""
     import torch.distributed as dist
 
-    from safemoe.distributed.ep import _plan, wire_row_bytes
+    from safemoe.distributed.ep import rows_per_peer, wire_row_bytes
 
     _, top_k, hidden, _ = shape
     device = _device()
@@ -211,8 +211,8 @@ def _measure(
         ep.mode = "capacity"
         measured["1gpu-global"] = _guarded(lambda: _time_graph_all_ranks(one_gpu_step, ctrl, global_tokens))
         _, ids = ep.gate(xs[0], num_valid)
-        need = _plan(ids, torch.ones(tokens, dtype=torch.bool, device=device), ep.layout).need
-        per_peer = [int(v) for v in need.sum(dim=0).tolist()]
+        rows_valid = torch.ones(tokens, dtype=torch.bool, device=device)
+        per_peer = [int(v) for v in rows_per_peer(ids, rows_valid, ep.layout).tolist()]
     return measured, per_peer
 
 

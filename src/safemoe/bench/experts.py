@@ -31,6 +31,7 @@ from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
     add_speedups,
+    error_note,
     moe_floor_us,
     plot_pct_of_floor,
     progress,
@@ -61,14 +62,18 @@ VLLM_H200_US: dict[str, dict[int, float]] = {
 }
 
 
-def _timing_args(estimate_us: float) -> dict[str, int]:
-    """Enough calls per graph to amortise launch gaps, few enough to keep big T cheap."""
+def timing_args(estimate_us: float) -> dict[str, int]:
+    """`time_graph`'s calls_per_graph and replays for a step of about `estimate_us`: enough calls per
+    graph to amortise launch gaps, few enough to keep big T cheap (also used by `experts_fp8`)."""
     calls = int(min(20, max(2, 20000 / estimate_us)))
     replays = int(min(30, max(5, 400000 / (estimate_us * calls))))
     return {"calls_per_graph": calls, "replays": replays}
 
 
-class _Inputs:
+class Inputs:
+    """N_VARIANTS input sets of one (shape, T): x [T, H] and logits [T, E] bf16, and the softmax
+    top-k routing of those logits (weights fp32, ids int32). Also used by `experts_fp8`."""
+
     def __init__(
         self, shape: tuple[int, int, int, int, str], num_tokens: int, device: torch.device, seed: int
     ) -> None:
@@ -98,11 +103,6 @@ def _route_backend() -> str:
     return "triton"
 
 
-def _error_note(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"error: {type(exc).__name__}: {text[0][:160] if text else ''}"
-
-
 class _Steps:
     """The two safemoe steps timed on one input set: `experts` (experts_triton into preallocated
     outputs) and `layer` (route + experts), num_valid as a device tensor, one shared workspace."""
@@ -110,7 +110,7 @@ class _Steps:
     def __init__(
         self,
         shape: tuple[int, int, int, int, str],
-        inputs: _Inputs,
+        inputs: Inputs,
         w13: torch.Tensor,
         w2: torch.Tensor,
         num_valid: int,
@@ -172,12 +172,12 @@ def _case_rows(
     ceilings: DeviceCeilings,
     quick: bool,
 ) -> list[BenchRow]:
-    from safemoe.bench.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, vllm_fused_experts
+    from safemoe.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, vllm_fused_experts
 
     num_experts, top_k, hidden, inter, activation = shape
-    inputs = _Inputs(shape, num_tokens, w13.device, seed=num_tokens)
+    inputs = Inputs(shape, num_tokens, w13.device, seed=num_tokens)
     floor, bound = moe_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings)
-    timing = _timing_args(1.3 * floor + 15)
+    timing = timing_args(1.3 * floor + 15)
     steps = _Steps(shape, inputs, w13, w2, num_valid=num_tokens)
 
     def peer(fn: Callable[..., torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -201,7 +201,7 @@ def _case_rows(
         except PeerUnavailable as exc:
             row.note = str(exc)
         except Exception as exc:  # keep the other rows: record what went wrong
-            row.note = _error_note(exc)
+            row.note = error_note(exc)
             torch.cuda.synchronize()
         if target is not None and row.median_us and impl == "safemoe-triton":
             row.extra["x_vs_target"] = round(target / row.median_us, 3)
@@ -227,11 +227,11 @@ def _padding_rows(
     """T = 1024 with num_valid = 1 against T = 1, experts only and the whole layer."""
     num_experts, top_k, hidden, inter, _ = shape
     floor, bound = moe_floor_us(num_experts, top_k, hidden, inter, 1, ceilings)
-    timing = _timing_args(1.3 * floor + 15)
+    timing = timing_args(1.3 * floor + 15)
     rows = []
     times: dict[tuple[str, int], float | None] = {}
     for num_tokens in (1, PADDED_TOKENS):
-        inputs = _Inputs(shape, num_tokens, w13.device, seed=7)
+        inputs = Inputs(shape, num_tokens, w13.device, seed=7)
         for x in inputs.xs:
             x[1:] = math.nan  # padding rows hold garbage; they must cost nothing and leak nothing
         steps = _Steps(shape, inputs, w13, w2, num_valid=1)
@@ -250,7 +250,7 @@ def _padding_rows(
             try:
                 row.median_us = time_graph(step, n_variants=N_VARIANTS, **timing)
             except Exception as exc:
-                row.note = _error_note(exc)
+                row.note = error_note(exc)
                 torch.cuda.synchronize()
             times[(variant, num_tokens)] = row.median_us
             rows.append(row)

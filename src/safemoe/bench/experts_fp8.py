@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from safemoe.bench.experts import N_VARIANTS, _error_note, _Inputs, _timing_args
+from safemoe.bench.experts import N_VARIANTS, Inputs, timing_args
 from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
     bytes_floor_us,
     distinct_experts,
+    error_note,
     flops_floor_us,
     moe_floor_us,
     moe_flops,
@@ -119,7 +120,7 @@ def _scaled_grouped_mm_experts(
 ) -> torch.Tensor:
     """Per-tensor fp8 experts through torch._scaled_grouped_mm (rowwise scales: per-token
     activation scales, each weight column scaled by its expert's per-tensor scale)."""
-    from safemoe.bench.peers import PeerUnavailable
+    from safemoe.peers import PeerUnavailable
     from safemoe.reference import FP8_DTYPE, FP8_MAX, activation_reference
 
     op = getattr(torch, "_scaled_grouped_mm", None)
@@ -164,7 +165,7 @@ def _vllm_fp8_experts(
     ids: torch.Tensor,
     block: bool,
 ) -> torch.Tensor:
-    from safemoe.bench.peers import PeerUnavailable
+    from safemoe.peers import PeerUnavailable
 
     try:
         from vllm.model_executor.layers.fused_moe import fused_experts
@@ -186,7 +187,7 @@ def _vllm_fp8_experts(
         raise PeerUnavailable(f"vllm fp8 fused_experts: API not recognised ({exc})") from exc
 
 
-def _vllm_step(inputs: _Inputs, weights: _Weights, mode: str) -> Callable[[int], torch.Tensor]:
+def _vllm_step(inputs: Inputs, weights: _Weights, mode: str) -> Callable[[int], torch.Tensor]:
     w13, w2, spec = weights.fp8[mode]
 
     def step(j: int) -> torch.Tensor:
@@ -214,13 +215,13 @@ def _case_rows(
     with_bf16: bool = True,
 ) -> list[BenchRow]:
     from safemoe._checks import NumValid
-    from safemoe.bench.peers import PeerUnavailable
     from safemoe.kernels.experts import experts_triton
+    from safemoe.peers import PeerUnavailable
     from safemoe.workspace import Workspace
 
     num_experts, top_k, hidden, inter, activation = shape
     device = weights.w13.device
-    inputs = _Inputs(shape, num_tokens, device, seed=num_tokens)
+    inputs = Inputs(shape, num_tokens, device, seed=num_tokens)
     outs = [torch.empty_like(x) for x in inputs.xs]
     workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device, fp8=True)
     nv = NumValid(None, torch.tensor(num_tokens, device=device, dtype=torch.int32))
@@ -234,11 +235,11 @@ def _case_rows(
         )
         rows.append(row)
         try:
-            row.median_us = time_graph(step, n_variants=N_VARIANTS, **_timing_args(1.3 * floor[0] + 15))
+            row.median_us = time_graph(step, n_variants=N_VARIANTS, **timing_args(1.3 * floor[0] + 15))
         except PeerUnavailable as exc:
             row.note = str(exc)
         except Exception as exc:  # keep the other rows: record what went wrong
-            row.note = _error_note(exc)
+            row.note = error_note(exc)
             torch.cuda.synchronize()
         return row
 
@@ -311,7 +312,7 @@ def _quantize_row(
     shape: tuple[int, int, int, int, str],
     num_tokens: int,
     weights: _Weights,
-    inputs: _Inputs,
+    inputs: Inputs,
     workspace: Workspace,
     nv: NumValid,
     ceilings: DeviceCeilings,
@@ -371,9 +372,9 @@ def _quantize_row(
         extra={"bound": "copy", "what": "x + intermediate quantisation launches only"},
     )
     try:
-        row.median_us = time_graph(step, n_variants=N_VARIANTS, **_timing_args(20.0))
+        row.median_us = time_graph(step, n_variants=N_VARIANTS, **timing_args(20.0))
     except Exception as exc:
-        row.note = _error_note(exc)
+        row.note = error_note(exc)
         torch.cuda.synchronize()
     return row
 

@@ -102,7 +102,7 @@ def _require_cuda(what: str) -> None:
         raise RuntimeError(f"{what} needs a CUDA GPU; this machine has none")
 
 
-def _event_times_us(run: Callable[[], object], iters: int, warmup: int) -> list[float]:
+def event_times_us(run: Callable[[], object], iters: int, warmup: int) -> list[float]:
     """Microseconds of each of `iters` calls of `run`, each bracketed by CUDA events."""
     for _ in range(warmup):
         run()
@@ -147,12 +147,12 @@ def _measure_read_gbps(device: torch.device, nbytes: int) -> tuple[float, dict[s
             _stream_read_kernel[grid](src, partial, BLOCK=block, num_warps=8)
 
         try:
-            us = statistics.median(_event_times_us(triton_read, iters=20, warmup=3))
+            us = statistics.median(event_times_us(triton_read, iters=20, warmup=3))
             results["triton_sum"] = numel * 4 / (us * 1e-6) / 1e9
         except Exception as exc:  # the torch candidate below still gives a number
             results["triton_sum_error"] = f"{type(exc).__name__}: {exc}"[:200]
             print(f"ceilings: Triton read kernel failed ({type(exc).__name__}: {exc}); using torch.sum only")
-    us = statistics.median(_event_times_us(lambda: src.sum(), iters=20, warmup=3))
+    us = statistics.median(event_times_us(lambda: src.sum(), iters=20, warmup=3))
     results["torch_sum"] = numel * 4 / (us * 1e-6) / 1e9
     best = max(v for v in results.values() if isinstance(v, float))
     return best, results
@@ -162,7 +162,7 @@ def _measure_copy_gbps(device: torch.device, nbytes: int) -> float:
     """dst.copy_(src): bytes = 2 * nbytes (each byte read once and written once)."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    us = statistics.median(_event_times_us(lambda: dst.copy_(src), iters=20, warmup=3))
+    us = statistics.median(event_times_us(lambda: dst.copy_(src), iters=20, warmup=3))
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
@@ -171,7 +171,7 @@ def _measure_bf16_tflops(device: torch.device, n: int) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    us = statistics.median(_event_times_us(lambda: torch.mm(a, b, out=out), iters=20, warmup=5))
+    us = statistics.median(event_times_us(lambda: torch.mm(a, b, out=out), iters=20, warmup=5))
     return 2 * n**3 / (us * 1e-6) / 1e12
 
 
@@ -193,7 +193,7 @@ def _measure_fp8_tflops(device: torch.device, n: int) -> tuple[float | None, str
                 a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True
             )
 
-        us = statistics.median(_event_times_us(run, iters=20, warmup=5))
+        us = statistics.median(event_times_us(run, iters=20, warmup=5))
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         return None, f"fp8 matmul unsupported: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return 2 * n**3 / (us * 1e-6) / 1e12, "torch._scaled_mm e4m3, use_fast_accum=True"
@@ -304,7 +304,7 @@ def time_graph(
             f"step cannot be captured in a CUDA graph: {type(exc).__name__}: {first_line}"
         ) from exc
 
-    times = _event_times_us(graph.replay, iters=replays, warmup=warmup)
+    times = event_times_us(graph.replay, iters=replays, warmup=warmup)
     del graph
     return statistics.median(times) / calls_per_graph
 
@@ -324,7 +324,7 @@ def time_eager(
     def run() -> object:
         return step(next(counter) % n_variants)
 
-    return statistics.median(_event_times_us(run, iters=iters, warmup=max(warmup, n_variants)))
+    return statistics.median(event_times_us(run, iters=iters, warmup=max(warmup, n_variants)))
 
 
 def time_auto(
@@ -461,6 +461,12 @@ def add_speedups(rows: list[BenchRow], baseline_impl: str, *, key: str | None = 
         ref = base.get((row.suite, row.case, row.tokens, row.variant))
         if ref and row.median_us and row.impl != baseline_impl:
             row.extra[key] = round(ref / row.median_us, 3)
+
+
+def error_note(exc: BaseException) -> str:
+    """A row's note for a step that raised: `error: <type>: <first line of the message>`."""
+    text = str(exc).strip().splitlines()
+    return f"error: {type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
 def run_info() -> dict[str, Any]:

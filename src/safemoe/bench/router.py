@@ -54,32 +54,26 @@ SUITE = "router"
 
 @dataclass(frozen=True)
 class Case:
+    """A router shape: E experts, the routing config (passed whole to the kernel and the peers),
+    and whether a DeepSeek-V3-style selection bias [E] goes with it."""
+
     num_experts: int
-    top_k: int
-    scoring: str = "softmax"
+    route: RouteConfig
     bias: bool = False
-    n_group: int | None = None
-    topk_group: int | None = None
 
-    @property
-    def grouped(self) -> bool:
-        return self.n_group is not None and self.n_group > 1
+    def candidates(self, num_tokens: int) -> list[Any]:
+        """The kernel's launch configs for bf16 logits at T (the shipped pick first)."""
+        from safemoe.kernels import routing as router
 
-    def args(self) -> RouteConfig:
-        return RouteConfig(top_k=self.top_k, scoring=self.scoring, renormalize=True, n_group=self.n_group,
-                         topk_group=self.topk_group, routed_scaling_factor=1.0)
-
-    def peer_kwargs(self) -> dict[str, Any]:
-        return {"scoring": self.scoring, "renormalize": True, "n_group": self.n_group,
-                "topk_group": self.topk_group}
+        return router.candidate_configs(num_tokens, self.num_experts, self.route.top_k, 2, self.route.grouped)
 
 
 CASES: dict[str, Case] = {
-    "qwen3 128x8 softmax": Case(128, 8),
-    "dsv3 256x8 sigmoid+bias g8/4": Case(256, 8, "sigmoid", True, 8, 4),
-    "mixtral 8x2 softmax": Case(8, 2),
-    "gpt-oss 128x4 softmax": Case(128, 4),
-    "256x8 softmax": Case(256, 8),
+    "qwen3 128x8 softmax": Case(128, RouteConfig(8)),
+    "dsv3 256x8 sigmoid+bias g8/4": Case(256, RouteConfig(8, "sigmoid", n_group=8, topk_group=4), bias=True),
+    "mixtral 8x2 softmax": Case(8, RouteConfig(2)),
+    "gpt-oss 128x4 softmax": Case(128, RouteConfig(4)),
+    "256x8 softmax": Case(256, RouteConfig(8)),
 }
 TOKENS = (1, 8, 64, 128, 1024, 4096, 8192, 16384)
 QUICK_TOKENS = (1, 64, 1024, 16384)
@@ -144,7 +138,7 @@ def make_inputs(case: Case, num_tokens: int, variant: str, device: torch.device)
 
 
 def moved_bytes(case: Case, num_tokens: int, rows_read: int) -> int:
-    return rows_read * case.num_experts * 2 + num_tokens * case.top_k * 8
+    return rows_read * case.num_experts * 2 + num_tokens * case.route.top_k * 8
 
 
 def contract_violations(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, rows: int) -> int:
@@ -163,34 +157,33 @@ def _safemoe_step(case: Case, inputs: Inputs, *, impl: str, config: Any = None) 
     from safemoe.kernels import routing as router
 
     num_tokens = inputs.logits[0].shape[0]
-    weights = torch.empty(num_tokens, case.top_k, dtype=torch.float32, device=inputs.logits[0].device)
-    ids = torch.empty(num_tokens, case.top_k, dtype=torch.int32, device=inputs.logits[0].device)
+    weights = torch.empty(num_tokens, case.route.top_k, dtype=torch.float32, device=inputs.logits[0].device)
+    ids = torch.empty(num_tokens, case.route.top_k, dtype=torch.int32, device=inputs.logits[0].device)
     health = new_health_tensor(weights.device) if impl == "safemoe+health" else None
     # The graph path: num_valid as a device tensor. safemoe-int-nv passes the count as a host int
     # instead (no load of it on the device; a graph would bake that count in).
     nv = NumValid(count=inputs.count, tensor=None) if impl == "safemoe-int-nv" else NumValid(
         count=None, tensor=inputs.num_valid)
     safe = impl != "safemoe-unsafe"
-    args = case.args()
 
     def step(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        router._launch(inputs.logits[j], args, bias=inputs.bias, num_valid=nv, health=health,
-                       weights_out=weights, ids_out=ids, config=config, sanitize=safe, padding=safe)
+        router.launch_router(inputs.logits[j], case.route, bias=inputs.bias, num_valid=nv, health=health,
+                             weights_out=weights, ids_out=ids, config=config, sanitize=safe, padding=safe)
         return weights, ids
 
     return step
 
 
 def _peer_step(impl: str, case: Case, inputs: Inputs) -> Callable[[int], object]:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     fn = {"torch-eager": peers.torch_route, "torch-eager+nan_to_num": peers.torch_route,
           "torch-compile": peers.compiled_torch_route, "vllm": peers.vllm_route,
           "sglang": peers.sglang_route}[impl]
-    kwargs = dict(case.peer_kwargs(), bias=inputs.bias, nan_to_num=impl.endswith("nan_to_num"))
+    nan_to_num = impl.endswith("nan_to_num")
 
     def step(j: int) -> object:
-        return fn(inputs.logits[j], case.top_k, **kwargs)
+        return fn(inputs.logits[j], case.route, bias=inputs.bias, nan_to_num=nan_to_num)
 
     return step
 
@@ -210,7 +203,7 @@ def _time_row(row: BenchRow, step: Callable[[int], object], n_variants: int, qui
         if how != "graph":
             row.note = how
     except Exception as exc:  # PeerUnavailable and real failures alike: keep the other rows
-        from safemoe.bench.peers import PeerUnavailable
+        from safemoe.peers import PeerUnavailable
 
         text = str(exc).splitlines()[0][:200] if str(exc) else ""
         row.note = text if isinstance(exc, PeerUnavailable) else f"error: {type(exc).__name__}: {text}"
@@ -246,13 +239,11 @@ def _device() -> torch.device:
 
 def _tune_case(name: str, case: Case, num_tokens: int, device: torch.device, quick: bool) -> tuple[Any, list]:
     """Time every candidate config on clean input; returns (fastest config, tuning records)."""
-    from safemoe.kernels import routing as router
-
     inputs = make_inputs(case, num_tokens, "clean", device)
     kwargs = {"calls_per_graph": 10, "replays": 15} if quick else {"calls_per_graph": 20, "replays": 30}
     records = []
     best, best_us = None, math.inf
-    for config in router.candidate_configs(num_tokens, case.num_experts, case.top_k, 2, case.grouped):
+    for config in case.candidates(num_tokens):
         step = _safemoe_step(case, inputs, impl="safemoe", config=config)
         try:
             us: float | None = time_graph(step, n_variants=len(inputs.logits), **kwargs)
@@ -261,7 +252,7 @@ def _tune_case(name: str, case: Case, num_tokens: int, device: torch.device, qui
             us = None
         if us is not None and us < best_us:
             best, best_us = config, us
-        records.append({"case": name, "T": num_tokens, "E": case.num_experts, "K": case.top_k,
+        records.append({"case": name, "T": num_tokens, "E": case.num_experts, "K": case.route.top_k,
                         "block_t": config.block_t, "num_warps": config.num_warps,
                         "median_us": None if us is None else round(us, 3)})
     for r in records:
@@ -275,12 +266,11 @@ def run(ceilings: DeviceCeilings, *, quick: bool, tune: bool = False, out_dir: P
     (the tuning records go to `router_tuning.csv` in out_dir); out_dir: write results after each
     case, so a run cut short keeps what it measured."""
     from safemoe.bench.harness import write_results
-    from safemoe.kernels import routing as router
 
     device = _device()
     tokens = QUICK_TOKENS if quick else TOKENS
     shapes = [(n, c, t) for n, c in CASES.items() for t in tokens]
-    picks = {(c, t): router.candidate_configs(t, c.num_experts, c.top_k, 2, c.grouped) for _, c, t in shapes}
+    picks = {(c, t): c.candidates(t) for _, c, t in shapes}
     jobs = [(c, impl, cfg) for (c, _), cfgs in picks.items() for cfg in (cfgs if tune else cfgs[:1])
             for impl in SAFEMOE_IMPLS]
     precompile(jobs)

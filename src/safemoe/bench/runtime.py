@@ -1,10 +1,10 @@
 """Suite `runtime`: a decode step of a transformers model patched with safemoe, against the stock
 model, and the MoE layers' share of the step against the bandwidth floor.
 
-Model: the demo's GPU config (Qwen3-30B-A3B dimensions: E=128, K=8, H=2048, I=768, 151936-token
-vocabulary; 4 layers, 2 with --quick), random weights, bf16. The decode step is
-`safemoe.demo.decode_logits`: T one-token sequences, no KV cache, embedding -> layers -> norm ->
-lm_head (what the MoE layers see in decode). T = 1 .. 256.
+Model: the demo's `gpu` model of `safemoe.demo_models` (Qwen3-30B-A3B dimensions: E=128, K=8,
+H=2048, I=768, 151936-token vocabulary; 4 layers, 2 with --quick), random weights, bf16. The
+decode step is `safemoe.demo_models.decode_logits`: T one-token sequences, no KV cache, embedding
+-> layers -> norm -> lm_head (what the MoE layers see in decode). T = 1 .. 256.
 
 Variants and impls (same model, same weights; the stock rows are measured first, then the model is
 patched in place, sharing one `Workspace`):
@@ -85,7 +85,7 @@ def _moe_bytes(model: Any, xs: list[torch.Tensor]) -> int:
     for block in _moe_blocks(model):
         weight = block.gate.weight if hasattr(block, "gate") else block.moe.gate.weight
         logits = xs[0] @ weight.t()
-        ids = safemoe.route(logits, top_k, renormalize=True, backend="reference").ids
+        ids = safemoe.route(logits, top_k, backend="reference").ids  # the experts each token picks
         distinct = int(torch.unique(ids).numel())
         total += (distinct * 3 * hidden * inter + num_experts * hidden) * 2
     return total
@@ -100,7 +100,7 @@ def _rows_for(
     floors: dict[str, float],
     timer: Callable[[Callable[[int], object]], tuple[float, str]],
 ) -> list[BenchRow]:
-    from safemoe.demo import decode_logits
+    from safemoe.demo_models import decode_logits
 
     positions = torch.zeros(num_tokens, dtype=torch.long, device=ids[0].device)
     blocks = _moe_blocks(model)
@@ -145,7 +145,7 @@ def _eager_timer(fn: Callable[[int], object]) -> tuple[float, str]:
 
 
 def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
-    from safemoe.demo import build_model, load_config
+    from safemoe.demo_models import build_model, load_config
     from safemoe.integrations.transformers import patch
     from safemoe.workspace import Workspace
 

@@ -1,9 +1,11 @@
 """Backend adapters: how `safemoe check` calls one MoE implementation, and what of it exists here.
 
 An adapter exposes `route`, `experts` and `moe` with the public API's signatures (minus
-`backend=`), returning what the public API returns (`safemoe.Routing`, a [T, H] tensor). The two
-safemoe adapters call the public API (looked up at call time, so a test can swap it); a peer
-adapter maps the call onto its library and converts the result (ids to int32, weights to fp32).
+`backend=`), returning what the public API returns (`safemoe.Routing`, a [T, H] tensor). The
+checks pass the routing whole, a `RouteConfig` where the API takes top_k, and the selection bias
+as `bias=`. The two safemoe adapters call the public API (looked up at call time, so a test can
+swap it); a peer adapter maps the call onto its library and converts the result (ids to int32,
+weights to fp32).
 What a peer cannot express it refuses with `NotApplicable` (reported n/a, with the reason): no
 health counter, no workspace, an activation or dtype its library lacks.
 
@@ -13,7 +15,7 @@ needs from that: real rows unaffected, every row's routing still in range and fi
 row's ids feed the same dispatch), no crash. Padded rows need not be zeros there.
 
 Registered backends (`BACKENDS`): the safemoe ones (`reference`, `triton`) and the peers (`torch`:
-eager HF-style routing and per-expert loop from `safemoe.bench.peers`; `hf-eager`,
+eager HF-style routing and per-expert loop from `safemoe.peers`; `hf-eager`,
 `hf-grouped_mm`, `hf-batched_mm`: the installed transformers' experts implementations; `vllm`,
 `sglang`, `flashinfer`: their ops when importable). A plugin (`--plugin FILE.py`) can register
 more with `register_backend`.
@@ -31,9 +33,10 @@ from typing import Any
 import torch
 
 import safemoe
-from safemoe._checks import check_num_valid
+from safemoe._checks import check_num_valid, check_route_args
 from safemoe._triton import require_triton, triton_importable
 from safemoe.check.registry import NotApplicable
+from safemoe.route_config import RouteConfig
 
 BUILT, NOT_BUILT, BROKEN = "built", "not built", "broken"
 SAFEMOE, PEER = "safemoe", "peer"
@@ -78,8 +81,9 @@ class Adapter:
     hf_implementation: str | None = None  # transformers experts_implementation it stands for
 
     # -- ops (the public API's signatures without backend=) -----------------------------------
-    def route(self, logits: torch.Tensor, top_k: int, **kwargs: Any) -> safemoe.Routing:
-        return safemoe.route(logits, top_k, backend=self.name, **kwargs)
+    # `config` is the routing whole: a RouteConfig (what the checks pass), or K alone.
+    def route(self, logits: torch.Tensor, config: RouteConfig | int, **kwargs: Any) -> safemoe.Routing:
+        return safemoe.route(logits, config, backend=self.name, **kwargs)
 
     def experts(
         self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: safemoe.Routing, **kwargs: Any
@@ -92,16 +96,16 @@ class Adapter:
         router_logits: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
-        top_k: int,
+        config: RouteConfig | int,
         **kwargs: Any,
     ) -> torch.Tensor:
-        return safemoe.moe(x, router_logits, w13, w2, top_k, backend=self.name, **kwargs)
+        return safemoe.moe(x, router_logits, w13, w2, config, backend=self.name, **kwargs)
 
     # -- caller-owned outputs (buffer hygiene) --------------------------------------------------
     def route_into(
         self,
         logits: torch.Tensor,
-        top_k: int,
+        config: RouteConfig | int,
         weights_out: torch.Tensor,
         ids_out: torch.Tensor,
         **kwargs: Any,
@@ -179,33 +183,22 @@ class TritonAdapter(Adapter):
     def route_into(
         self,
         logits: torch.Tensor,
-        top_k: int,
+        config: RouteConfig | int,
         weights_out: torch.Tensor,
         ids_out: torch.Tensor,
-        **kwargs: Any,
+        *,
+        bias: torch.Tensor | None = None,
+        num_valid: int | torch.Tensor | None = None,
+        health: torch.Tensor | None = None,
+        **options: Any,
     ) -> None:
-        from safemoe import _checks
         from safemoe.kernels.routing import route_into
 
-        args = _checks.check_route_args(
-            logits,
-            top_k,
-            scoring=kwargs.get("scoring", "softmax"),
-            renormalize=kwargs.get("renormalize", True),
-            bias=kwargs.get("bias"),
-            n_group=kwargs.get("n_group"),
-            topk_group=kwargs.get("topk_group"),
-            routed_scaling_factor=kwargs.get("routed_scaling_factor", 1.0),
-        )
-        nv = check_num_valid(kwargs.get("num_valid"), logits.shape[0], logits.device)
+        # The checks `safemoe.route` makes, then the allocation-free kernel entry.
+        checked = check_route_args(logits, config, bias=bias, **options)
+        nv = check_num_valid(num_valid, logits.shape[0], logits.device)
         route_into(
-            logits,
-            args,
-            bias=kwargs.get("bias"),
-            num_valid=nv,
-            health=kwargs.get("health"),
-            weights_out=weights_out,
-            ids_out=ids_out,
+            logits, checked, bias=bias, num_valid=nv, health=health, weights_out=weights_out, ids_out=ids_out
         )
 
     def experts_into(
@@ -284,7 +277,7 @@ def _as_routing(weights: torch.Tensor, ids: torch.Tensor) -> safemoe.Routing:
 
 
 class PeerAdapter(Adapter):
-    """A peer: its `route_fn(logits, top_k, **route_kwargs) -> (weights, ids)` and
+    """A peer: its `route_fn(logits, config, bias=...) -> (weights, ids)` and
     `experts_fn(x, w13, w2, weights, ids, activation) -> out`, either of which may be None."""
 
     route_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -296,11 +289,11 @@ class PeerAdapter(Adapter):
         if dtype not in self.dtypes:
             raise NotApplicable(f"{self.name} does not take {str(dtype).removeprefix('torch.')}")
 
-    def route(self, logits: torch.Tensor, top_k: int, **kwargs: Any) -> safemoe.Routing:
+    def route(self, logits: torch.Tensor, config: RouteConfig | int, **kwargs: Any) -> safemoe.Routing:
         if self.route_fn is None:
             raise NotApplicable(f"{self.name} has no routing op")
         kwargs = _peer_kwargs(self.name, kwargs)
-        weights, ids = self.route_fn(logits, top_k, **kwargs)
+        weights, ids = self.route_fn(logits, config, **kwargs)
         return _as_routing(weights, ids)
 
     def experts(
@@ -323,12 +316,12 @@ class PeerAdapter(Adapter):
         router_logits: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
-        top_k: int,
+        config: RouteConfig | int,
         **kwargs: Any,
     ) -> torch.Tensor:
         kwargs = _peer_kwargs(self.name, kwargs)
         activation = kwargs.pop("activation", "silu")
-        routing = self.route(router_logits, top_k, **kwargs)
+        routing = self.route(router_logits, config, **kwargs)
         return self.experts(x, w13, w2, routing, activation=activation)
 
     def weight_tolerance(self, logits_dtype: torch.dtype) -> tuple[float, float]:
@@ -368,7 +361,7 @@ def _ops(route: bool, experts: bool) -> dict[str, OpStatus]:
 
 
 def torch_adapter(device: torch.device) -> Adapter:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     return _peer(
         "torch",
@@ -426,7 +419,7 @@ class _HFExperts:
 
 
 def hf_adapter(device: torch.device, implementation: str) -> Adapter:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     name = f"hf-{implementation}"
     description = f"transformers' {implementation} experts implementation (Qwen3MoeExperts), torch routing"
@@ -463,12 +456,12 @@ def hf_adapter(device: torch.device, implementation: str) -> Adapter:
         router_logits: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
-        top_k: int,
+        config: RouteConfig | int,
         **kwargs: Any,
     ) -> torch.Tensor:
         kwargs = _peer_kwargs(name, kwargs)
         activation = kwargs.pop("activation", "silu")
-        weights, ids = peers.torch_route(router_logits, top_k, **kwargs)
+        weights, ids = peers.torch_route(router_logits, config, **kwargs)
         return adapter.experts(x, w13, w2, _as_routing(weights, ids), activation=activation)
 
     adapter.moe = moe  # type: ignore[method-assign]
@@ -486,7 +479,7 @@ def _library_adapter(
     if device.type != "cuda":
         adapter.available, adapter.reason = False, f"{name}'s MoE ops need CUDA tensors"
         return adapter
-    from safemoe.bench.peers import PeerUnavailable
+    from safemoe.peers import PeerUnavailable
 
     def guard(fn: Any) -> Any:
         if fn is None:
@@ -508,7 +501,7 @@ def _library_adapter(
 
 
 # name -> (module whose import decides "installed", description, route and experts functions
-# of safemoe.bench.peers, None where the library has no such op).
+# of safemoe.peers, None where the library has no such op).
 LIBRARY_PEERS: dict[str, tuple[str, str, str | None, str]] = {
     "vllm": ("vllm.model_executor.layers.fused_moe",
              "vLLM fused_topk / grouped_topk routing, Triton fused_experts",
@@ -522,7 +515,7 @@ LIBRARY_PEERS: dict[str, tuple[str, str, str | None, str]] = {
 
 
 def library_adapter(device: torch.device, name: str) -> Adapter:
-    from safemoe.bench import peers
+    from safemoe import peers
 
     module, description, route, experts = LIBRARY_PEERS[name]
     route_fn = getattr(peers, route) if route is not None else None

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from safemoe.route_config import RouteConfig
+
 STALE_ID = 123456789  # left in a torch.empty ids buffer in vLLM #41834
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 
@@ -95,39 +97,34 @@ def padding_rows(kind: str, num_rows: int, width: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RouteMode:
-    """A routing configuration; `kwargs` turns it into `route()` keyword arguments for E and K."""
+    """A routing mode: its `RouteConfig` (top_k there is a placeholder: `routing` sets K, and the
+    groups for E when `groups`), and whether a selection bias goes with it."""
 
     name: str
-    scoring: str
-    renormalize: bool = True
+    config: RouteConfig
     bias: bool = False
     groups: bool = False
-    routed_scaling_factor: float = 1.0
 
-    def kwargs(
+    def routing(
         self, num_experts: int, top_k: int, generator: torch.Generator, device: torch.device
-    ) -> dict[str, Any]:
-        kw: dict[str, Any] = {
-            "scoring": self.scoring,
-            "renormalize": self.renormalize,
-            "routed_scaling_factor": self.routed_scaling_factor,
-        }
-        if self.bias:
-            kw["bias"] = selection_bias(num_experts, generator).to(device)
+    ) -> tuple[RouteConfig, torch.Tensor | None]:
+        """(the config for E and K, the [E] selection bias or None), as `route()` takes them."""
+        bias = selection_bias(num_experts, generator).to(device) if self.bias else None
+        groups: dict[str, Any] = {}
         if self.groups:
-            kw["n_group"], kw["topk_group"] = group_config(num_experts, top_k)
-        return kw
+            groups["n_group"], groups["topk_group"] = group_config(num_experts, top_k)
+        return self.config.replace(top_k=top_k, **groups), bias
 
 
 ROUTE_MODES = (
-    RouteMode("softmax", "softmax"),
-    RouteMode("softmax_raw", "softmax", renormalize=False),
-    RouteMode("sigmoid", "sigmoid"),
-    RouteMode("sigmoid_bias", "sigmoid", bias=True),
-    RouteMode("softmax_groups", "softmax", groups=True),
+    RouteMode("softmax", RouteConfig(1)),
+    RouteMode("softmax_raw", RouteConfig(1, renormalize=False)),
+    RouteMode("sigmoid", RouteConfig(1, "sigmoid")),
+    RouteMode("sigmoid_bias", RouteConfig(1, "sigmoid"), bias=True),
+    RouteMode("softmax_groups", RouteConfig(1), groups=True),
     # DeepSeek-V3: sigmoid, correction bias, 8 groups keep 4, scaled weights.
-    RouteMode("deepseek_v3", "sigmoid", bias=True, groups=True, routed_scaling_factor=2.5),
-    RouteMode("sigmoid_raw_scaled", "sigmoid", renormalize=False, routed_scaling_factor=0.5),
+    RouteMode("deepseek_v3", RouteConfig(1, "sigmoid", routed_scaling_factor=2.5), bias=True, groups=True),
+    RouteMode("sigmoid_raw_scaled", RouteConfig(1, "sigmoid", renormalize=False, routed_scaling_factor=0.5)),
 )
 MODES_BY_NAME = {m.name: m for m in ROUTE_MODES}
 

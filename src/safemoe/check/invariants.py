@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from safemoe._checks import NumValid
 from safemoe.check.registry import CheckFailure
 from safemoe.reference import FLT_MAX, route_reference, sanitize_logits, topk_lowest_index
+from safemoe.route_config import RouteConfig
 from safemoe.routing import Routing
 
 # Selection scores closer than this (relative) may legitimately order differently in two correct
@@ -87,14 +87,19 @@ def _near(a: torch.Tensor, b: torch.Tensor, exact_ties_are_ties: bool) -> torch.
 
 
 def clear_rows(
-    logits: torch.Tensor, top_k: int, kwargs: dict[str, Any], exact_ties: bool = True
+    logits: torch.Tensor,
+    config: RouteConfig | int,
+    bias: torch.Tensor | None = None,
+    exact_ties: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([T] bool, [T] bool): rows whose reference selection is far from any near-tie, for the set of
-    experts and for their order. Computed from the reference's own scores. `exact_ties=False` (a
-    backend that does not promise ties to the lowest index) makes exactly equal scores unclear too."""
-    bias = kwargs.get("bias")
+    experts and for their order, under the routing `config` (or just K) and selection `bias`.
+    Computed from the reference's own scores. `exact_ties=False` (a backend that does not promise
+    ties to the lowest index) makes exactly equal scores unclear too."""
+    config = RouteConfig.of(config)
+    top_k = config.top_k
     x = sanitize_logits(logits.cpu())
-    scores = torch.softmax(x, dim=-1) if kwargs.get("scoring", "softmax") == "softmax" else torch.sigmoid(x)
+    scores = torch.softmax(x, dim=-1) if config.scoring == "softmax" else torch.sigmoid(x)
     select = (
         scores if bias is None else (scores + sanitize_logits(bias.cpu())[None, :]).clamp(-FLT_MAX, FLT_MAX)
     )
@@ -102,7 +107,7 @@ def clear_rows(
     num_rows, num_experts = x.shape
     set_unclear = torch.zeros(num_rows, dtype=torch.bool)
     eligible = torch.ones_like(select, dtype=torch.bool)
-    n_group, topk_group = kwargs.get("n_group"), kwargs.get("topk_group")
+    n_group, topk_group = config.n_group, config.topk_group
     if n_group is not None and topk_group is not None:
         group_size = num_experts // n_group
         grouped = select.view(num_rows, n_group, group_size)
@@ -126,8 +131,8 @@ def clear_rows(
 def expect_route_matches_reference(
     routing: Routing,
     logits: torch.Tensor,
-    top_k: int,
-    kwargs: dict[str, Any],
+    config: RouteConfig | int,
+    bias: torch.Tensor | None,
     num_valid: int,
     row_names: list[str] | None = None,
     *,
@@ -135,11 +140,12 @@ def expect_route_matches_reference(
     ordered: bool = True,
     tolerance: tuple[float, float] = (WEIGHT_ATOL, WEIGHT_RTOL),
 ) -> None:
-    """Same ids (in the same order) and close weights as the reference, on rows without near-ties;
-    rows whose order is near-tied (every row, when not `ordered`) compare as sets. `tolerance` is
-    (atol, rtol) of the weights."""
-    ref_weights, ref_ids = route_reference(logits, top_k, num_valid=NumValid(num_valid, None), **kwargs)
-    set_clear, order_clear = clear_rows(logits, top_k, kwargs, exact_ties)
+    """Same ids (in the same order) and close weights as the reference routing (`config`, or just
+    K, and `bias`) on rows without near-ties; rows whose order is near-tied (every row, when not
+    `ordered`) compare as sets. `tolerance` is (atol, rtol) of the weights."""
+    config = RouteConfig.of(config)
+    ref_weights, ref_ids = route_reference(logits, config, bias=bias, num_valid=NumValid(num_valid, None))
+    set_clear, order_clear = clear_rows(logits, config, bias, exact_ties)
     valid = torch.arange(logits.shape[0]) < num_valid
     ids, weights = routing.ids.cpu().long(), routing.weights.cpu()
     ref_ids, ref_weights = ref_ids.cpu().long(), ref_weights.cpu()

@@ -138,6 +138,13 @@ def _plan(ids: torch.Tensor, rows_valid: torch.Tensor, layout: EPLayout) -> _Pla
     return _Plan(served=served, hit=hit, need=need, pos=pos, owner=owner)
 
 
+def rows_per_peer(ids: torch.Tensor, rows_valid: torch.Tensor, layout: EPLayout) -> torch.Tensor:
+    """[W] int64: how many rows this rank's dynamic-mode dispatch sends to each peer (itself
+    included). A row goes once to every peer that serves at least one of its slots; `rows_valid`
+    [T] bool marks the rows dispatched at all, and ids outside [0, E) are served by no peer."""
+    return _plan(ids, rows_valid, layout).need.sum(dim=0)
+
+
 def _wire_layout(hidden: int, top_k: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(x bytes, meta offset, row bytes) of one wire row."""
     x_bytes = hidden * torch.empty((), dtype=dtype).element_size()

@@ -99,7 +99,7 @@ def route_boundaries(ctx: CaseContext, **p: Any) -> None:
         routing,
         logits,
         top_k,
-        {},
+        None,
         n,
         exact_ties=ctx.api.exact_ties,
         ordered=ctx.api.ordered_ids,
@@ -146,5 +146,5 @@ def moe_boundaries(ctx: CaseContext, **p: Any) -> None:
     # Rows whose choice of experts is a near-tie (random fp32 rows at 65k tokens have some; fp16
     # rows have exact ties, ordered differently by a backend without the tie rule) may pick
     # another expert correctly: compared where the choice is clear.
-    clear, _ = clear_rows(logits[:n], prob["K"], {}, ctx.api.exact_ties)
+    clear, _ = clear_rows(logits[:n], prob["K"], None, ctx.api.exact_ties)
     ctx.close(out[:n], expected[:n], f"moe at T={num_rows} vs reference", rows=clear)

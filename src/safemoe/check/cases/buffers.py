@@ -84,13 +84,13 @@ def route_out(ctx: CaseContext, **p: Any) -> None:
     num_padded = 3
     logits = padded_logits(KINDS, num_padded, num_experts, dtype, ctx)
     n, total = len(KINDS), logits.shape[0]
-    kwargs = mode.kwargs(num_experts, top_k, ctx.generator, ctx.device)
+    config, bias = mode.routing(num_experts, top_k, ctx.generator, ctx.device)
     nv = num_valid_arg("int32_tensor", n, ctx.device)
     weights_out = torch.empty(total, top_k, dtype=torch.float32, device=ctx.device)
     ids_out = torch.empty(total, top_k, dtype=torch.int32, device=ctx.device)
     _fill(weights_out, "nan" if p["fill"] == "stale" else p["fill"])
     _fill(ids_out, p["fill"])
-    ctx.api.route_into(logits, top_k, weights_out, ids_out, num_valid=nv, **kwargs)
+    ctx.api.route_into(logits, config, weights_out, ids_out, bias=bias, num_valid=nv)
     routing = Routing(weights=weights_out, ids=ids_out)
     expect_routing_contract(
         routing,
@@ -101,7 +101,7 @@ def route_out(ctx: CaseContext, **p: Any) -> None:
         device=ctx.device,
         row_names=KINDS,
     )
-    fresh = ctx.api.route(logits, top_k, num_valid=nv, **kwargs)
+    fresh = ctx.api.route(logits, config, bias=bias, num_valid=nv)
     expect_bitwise(ids_out, fresh.ids, "route_into ids vs route")
     expect_bitwise(weights_out, fresh.weights, "route_into weights vs route")
 

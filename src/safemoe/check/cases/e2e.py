@@ -30,6 +30,7 @@ from safemoe.check.invariants import clear_rows, expect_bitwise, expect_close, e
 from safemoe.check.registry import CaseContext, CheckFailure, NotApplicable, Plan, case
 from safemoe.health import NONFINITE_ROWS, new_health_tensor
 from safemoe.reference import moe_reference
+from safemoe.route_config import RouteConfig
 
 # transformers' blocks round every intermediate to the hidden dtype: the tolerance against them is
 # that of a peer (see Adapter.tolerance_scale).
@@ -52,39 +53,41 @@ def nan_router_chain(ctx: CaseContext, **p: Any) -> None:
     n, num_padded = len(CHAIN_KINDS), 2
     logits = padded_logits(CHAIN_KINDS, num_padded, num_experts, dtype, ctx)
     x = tokens(n + num_padded, hidden, ctx.generator).to(dtype).to(ctx.device)
-    kwargs = mode.kwargs(num_experts, top_k, ctx.generator, ctx.device)
+    config, bias = mode.routing(num_experts, top_k, ctx.generator, ctx.device)
     counter = new_health_tensor(ctx.device) if ctx.api.counts_health else None
-    out = ctx.api.moe(x, logits, w13, w2, top_k, num_valid=n, health=counter, **kwargs)
+    out = ctx.api.moe(x, logits, w13, w2, config, bias=bias, num_valid=n, health=counter)
     expect_finite(out, n, "moe on NaN router rows")
     expect_padding_zeros(ctx, out, n, "moe on NaN router rows")
-    expected = moe_reference(x, logits, w13, w2, top_k, num_valid=NumValid(n, None), **kwargs)
+    expected = moe_reference(x, logits, w13, w2, config, bias=bias, num_valid=NumValid(n, None))
     ctx.close(out[:n], expected[:n], "moe vs reference")
     if counter is not None and int(counter[NONFINITE_ROWS]) != 4:
         raise CheckFailure(f"health[NONFINITE_ROWS] is {int(counter[NONFINITE_ROWS])}, expected 4")
 
 
-# safemoe.MoE layers shaped like real models (tiny): constructor arguments by name.
+# safemoe.MoE layers shaped like real models (tiny): E, the routing config, the other constructor
+# arguments by name.
 MODULE_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3": {"num_experts": 8, "top_k": 2},
+    "qwen3": {"num_experts": 8, "route": RouteConfig(2)},
     "deepseek_v3": {
         "num_experts": 16,
-        "top_k": 4,
-        "scoring": "sigmoid",
+        "route": RouteConfig(4, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5),
         "selection_bias": True,
-        "n_group": 4,
-        "topk_group": 2,
-        "routed_scaling_factor": 2.5,
         "router_logits_fp32": True,
         "shared_intermediate_size": 32,
     },
     "gpt_oss": {
         "num_experts": 8,
-        "top_k": 2,
+        "route": RouteConfig(2),
         "activation": "swigluoai",
         "router_bias": True,
         "expert_bias": True,
     },
-    "qwen2": {"num_experts": 8, "top_k": 2, "shared_intermediate_size": 24, "shared_expert_gate": True},
+    "qwen2": {
+        "num_experts": 8,
+        "route": RouteConfig(2),
+        "shared_intermediate_size": 24,
+        "shared_expert_gate": True,
+    },
 }
 
 
@@ -116,8 +119,11 @@ def module(ctx: CaseContext, **p: Any) -> None:
     """safemoe.MoE (Qwen3, DeepSeek-V3, gpt-oss, Qwen2 shapes) on NaN padding vs the reference layer"""
     backend = _backend(ctx)
     dtype, hidden, inter = p["dtype"], 32, 16
-    kwargs = MODULE_CONFIGS[p["model"]]
-    layer = safemoe.MoE(hidden, inter, backend=backend, dtype=dtype, device=ctx.device, **kwargs).eval()
+    kwargs = dict(MODULE_CONFIGS[p["model"]])
+    num_experts, route = kwargs.pop("num_experts"), kwargs.pop("route")
+    layer = safemoe.MoE(
+        hidden, inter, num_experts, route, backend=backend, dtype=dtype, device=ctx.device, **kwargs
+    ).eval()
     _randomize(layer, ctx.generator)
     if layer.expert_bias:  # keep the folded layout's padding columns zero (see safemoe.layer)
         with torch.no_grad():
@@ -243,15 +249,11 @@ def _eager_reference(
         want = _block_out(block, x)
     finally:
         handle.remove()
-    kwargs: dict[str, Any] = {}
+    route, bias = RouteConfig(int(config.num_experts_per_tok)), None
     if family == "deepseek_v3":
-        kwargs = {
-            "scoring": "sigmoid",
-            "bias": router.e_score_correction_bias.float(),
-            "n_group": router.num_group,
-            "topk_group": router.topk_group,
-        }
-    clear, _ = clear_rows(captured[0].float(), int(config.num_experts_per_tok), kwargs, exact_ties=False)
+        route = route.replace(scoring="sigmoid", n_group=router.num_group, topk_group=router.topk_group)
+        bias = router.e_score_correction_bias.float()
+    clear, _ = clear_rows(captured[0].float(), route, bias, exact_ties=False)
     return want, clear
 
 

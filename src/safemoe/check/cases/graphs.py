@@ -97,12 +97,12 @@ def route_graph(ctx: CaseContext, **p: Any) -> None:
     num_experts, mode, dtype = p["E"], p["mode"], p["dtype"]
     top_k = top_k_for(num_experts)
     num_rows = ctx.choose(8, 8, 33)
-    kwargs = mode.kwargs(num_experts, top_k, ctx.generator, ctx.device)
+    config, bias = mode.routing(num_experts, top_k, ctx.generator, ctx.device)
     logits = torch.zeros(num_rows, num_experts, dtype=dtype, device=ctx.device)
     nv = torch.tensor(num_rows, dtype=torch.int32, device=ctx.device)
 
     def fn() -> Outputs:
-        routing = ctx.api.route(logits, top_k, num_valid=nv, **kwargs)
+        routing = ctx.api.route(logits, config, bias=bias, num_valid=nv)
         return routing.weights, routing.ids
 
     graph = Replayable(fn, ctx.device)
@@ -122,7 +122,7 @@ def route_graph(ctx: CaseContext, **p: Any) -> None:
             num_valid=rows_held_valid(ctx, count, num_rows),
             device=ctx.device,
         )
-        eager = ctx.api.route(logits, top_k, num_valid=nv, **kwargs)
+        eager = ctx.api.route(logits, config, bias=bias, num_valid=nv)
         expect_bitwise(routing.ids, eager.ids, f"{what}: ids vs eager")
         expect_bitwise(routing.weights, eager.weights, f"{what}: weights vs eager")
 
@@ -201,13 +201,13 @@ def moe_graph(ctx: CaseContext, **p: Any) -> None:
     dtype, mode = p["dtype"], p["mode"]
     prob = experts_problem(ctx, dtype)
     num_rows = ctx.choose(8, 8, 40)
-    kwargs = mode.kwargs(prob["E"], prob["K"], ctx.generator, ctx.device)
+    config, bias = mode.routing(prob["E"], prob["K"], ctx.generator, ctx.device)
     x = torch.zeros(num_rows, prob["H"], dtype=dtype, device=ctx.device)
     logits = torch.zeros(num_rows, prob["E"], dtype=dtype, device=ctx.device)
     nv = torch.tensor(num_rows, dtype=torch.int32, device=ctx.device)
 
     def fn() -> Outputs:
-        return (ctx.api.moe(x, logits, prob["w13"], prob["w2"], prob["K"], num_valid=nv, **kwargs),)
+        return (ctx.api.moe(x, logits, prob["w13"], prob["w2"], config, bias=bias, num_valid=nv),)
 
     graph = Replayable(fn, ctx.device)
     for step, count in enumerate(_counts(num_rows)):
@@ -218,5 +218,5 @@ def moe_graph(ctx: CaseContext, **p: Any) -> None:
         nv.fill_(count)
         (out,) = graph.replay()
         out = out.clone()
-        eager = ctx.api.moe(x, logits, prob["w13"], prob["w2"], prob["K"], num_valid=nv, **kwargs)
+        eager = ctx.api.moe(x, logits, prob["w13"], prob["w2"], config, bias=bias, num_valid=nv)
         _check_replay(ctx, out, eager, count, f"replay {step} (num_valid {count})")

@@ -62,12 +62,12 @@ def route_padding(ctx: CaseContext, **p: Any) -> None:
     """route: real rows bitwise identical whatever the padded rows hold; vs no padding: same ids"""
     num_experts, mode = p["E"], p["mode"]
     top_k = top_k_for(num_experts)
-    kwargs = mode.kwargs(num_experts, top_k, ctx.generator, ctx.device)
+    config, bias = mode.routing(num_experts, top_k, ctx.generator, ctx.device)
     real = router_rows(REAL_KINDS, num_experts, ctx.generator)
     n, num_padded = real.shape[0], _num_padded(ctx)
-    plain = ctx.api.route(real.to(p["dtype"]).to(ctx.device), top_k, **kwargs)
+    plain = ctx.api.route(real.to(p["dtype"]).to(ctx.device), config, bias=bias)
     logits = torch.cat([real, padding_rows(p["fill"], num_padded, num_experts)]).to(p["dtype"]).to(ctx.device)
-    routing = ctx.api.route(logits, top_k, num_valid=num_valid_arg(p["num_valid"], n, ctx.device), **kwargs)
+    routing = ctx.api.route(logits, config, bias=bias, num_valid=num_valid_arg(p["num_valid"], n, ctx.device))
     expect_routing_contract(
         routing,
         num_rows=n + num_padded,
@@ -83,7 +83,7 @@ def route_padding(ctx: CaseContext, **p: Any) -> None:
     what = f"weights of real rows, padded with {p['fill']} vs unpadded"
     ctx.close(routing.weights[:n], plain.weights, what)
     clean = torch.cat([real, padding_rows("zero", num_padded, num_experts)]).to(p["dtype"]).to(ctx.device)
-    same_t = ctx.api.route(clean, top_k, num_valid=num_valid_arg(p["num_valid"], n, ctx.device), **kwargs)
+    same_t = ctx.api.route(clean, config, bias=bias, num_valid=num_valid_arg(p["num_valid"], n, ctx.device))
     for name in ("ids", "weights"):
         expect_bitwise(
             getattr(routing, name)[:n],
@@ -181,7 +181,7 @@ def moe_padding(ctx: CaseContext, **p: Any) -> None:
     """moe: poisoned router logits and tokens on padded rows leave real rows untouched"""
     dtype, mode, fill = p["dtype"], p["mode"], p["fill"]
     prob = experts_problem(ctx, dtype)
-    kwargs = mode.kwargs(prob["E"], prob["K"], ctx.generator, ctx.device)
+    config, bias = mode.routing(prob["E"], prob["K"], ctx.generator, ctx.device)
     real_logits = router_rows(REAL_KINDS, prob["E"], ctx.generator)
     n, num_padded = real_logits.shape[0], _num_padded(ctx)
     x_real = tokens(n, prob["H"], ctx.generator).to(dtype).to(ctx.device)
@@ -194,11 +194,11 @@ def moe_padding(ctx: CaseContext, **p: Any) -> None:
     def run(kind: str | None) -> torch.Tensor:
         if kind is None:
             logits = real_logits.to(dtype).to(ctx.device)
-            return ctx.api.moe(x_real, logits, prob["w13"], prob["w2"], prob["K"], **kwargs)
+            return ctx.api.moe(x_real, logits, prob["w13"], prob["w2"], config, bias=bias)
         pad_logits = padding_rows(kind, num_padded, prob["E"])
         logits = torch.cat([real_logits, pad_logits]).to(dtype).to(ctx.device)
         x = torch.cat([x_real, padding_rows(kind, num_padded, prob["H"]).to(dtype).to(ctx.device)])
-        return ctx.api.moe(x, logits, prob["w13"], prob["w2"], prob["K"], num_valid=nv, **kwargs)
+        return ctx.api.moe(x, logits, prob["w13"], prob["w2"], config, bias=bias, num_valid=nv)
 
     _isolation(ctx, run(None), run(fill), run("zero"), n, f"moe padded with {fill}")
 

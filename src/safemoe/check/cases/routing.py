@@ -47,9 +47,9 @@ def _route_rows(ctx: CaseContext, kinds: list[str], p: dict[str, Any]) -> None:
     # each check measures its own row kinds (NaN padding is the padding family's business).
     fill = "nan" if ctx.api.native_num_valid else "zero"
     logits = padded_logits(row_kinds, num_padded, num_experts, p["dtype"], ctx, fill=fill)
-    kwargs = mode.kwargs(num_experts, top_k, ctx.generator, ctx.device)
+    config, bias = mode.routing(num_experts, top_k, ctx.generator, ctx.device)
     n, total = len(row_kinds), logits.shape[0]
-    routing = ctx.api.route(logits, top_k, num_valid=num_valid_arg(p["num_valid"], n, ctx.device), **kwargs)
+    routing = ctx.api.route(logits, config, bias=bias, num_valid=num_valid_arg(p["num_valid"], n, ctx.device))
     # A peer routes the padded rows like real ones: the contract is held on every row there.
     held = n if ctx.api.native_num_valid else total
     names = row_kinds + ["padding"] * num_padded
@@ -65,8 +65,8 @@ def _route_rows(ctx: CaseContext, kinds: list[str], p: dict[str, Any]) -> None:
     expect_route_matches_reference(
         routing,
         logits,
-        top_k,
-        kwargs,
+        config,
+        bias,
         n,
         names,
         exact_ties=ctx.api.exact_ties,
@@ -120,14 +120,14 @@ def health(ctx: CaseContext, **p: Any) -> None:
     top_k = top_k_for(num_experts)
     logits = padded_logits(kinds, num_padded, num_experts, torch.float32, ctx)
     counter = new_health_tensor(ctx.device)
-    kwargs = mode.kwargs(num_experts, top_k, ctx.generator, ctx.device)
+    config, bias = mode.routing(num_experts, top_k, ctx.generator, ctx.device)
     for _ in range(2):
         ctx.api.route(
             logits,
-            top_k,
+            config,
+            bias=bias,
             num_valid=num_valid_arg(p["num_valid"], len(kinds), ctx.device),
             health=counter,
-            **kwargs,
         )
     got = counter.cpu().tolist()
     want = [0] * len(got)

@@ -1,4 +1,6 @@
-"""Peer implementations the bench measures safemoe against, side by side in the same run.
+"""Peer implementations: what `safemoe bench` measures safemoe against (side by side in the same
+run) and what `safemoe check` holds to the same contract (its `torch`, `vllm`, `sglang` and
+`flashinfer` backends).
 
 - torch, the way Hugging Face models route and run experts: `torch_route` (softmax/sigmoid + topk
   + renormalise; DeepSeek-V3's grouped selection with its correction bias), `compiled_torch_route`
@@ -6,7 +8,7 @@
   blocks), `grouped_mm_experts` (sort slots by expert, then torch's grouped GEMM, as transformers'
   "grouped_mm" experts implementation does).
 - vLLM, SGLang and FlashInfer ops when those libraries are importable; otherwise the adapter raises
-  `PeerUnavailable` saying so (the suites record the row as unavailable, never as passed).
+  `PeerUnavailable` saying so (recorded as unavailable, never as passed).
 
 The torch peers are our own code following the published algorithms; they keep the peers' own
 behaviour (no NaN sanitising unless `nan_to_num=True`, torch.topk tie order, int64 ids as
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from safemoe.reference import activation_reference
+from safemoe.route_config import RouteConfig
 
 
 class PeerUnavailable(RuntimeError):
@@ -52,17 +55,17 @@ def _call_peer(peer: str, what: str, call: Callable[[], Any]) -> Any:
 
 def torch_route(
     logits: torch.Tensor,
-    top_k: int,
+    config: RouteConfig | int,
     *,
-    scoring: str = "softmax",
-    renormalize: bool = True,
     bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
     nan_to_num: bool = False,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager torch routing as HF models do it. Returns (weights [T, K] float32, ids [T, K] int64).
+
+    config: the routing whole (a `RouteConfig`), or top_k with its options as keywords, as
+    `safemoe.route` takes it. bias: [E] selection bias. There is no num_valid: like an engine
+    without it, the peer routes every row, padding included.
 
     softmax (Qwen3-MoE, Mixtral): p = softmax(fp32 logits); top-k of p; optionally divide by the
     K-sum. sigmoid (DeepSeek-V3): s = sigmoid(fp32 logits); selection scores s + bias; with groups,
@@ -71,17 +74,24 @@ def torch_route(
     are finally scaled. `nan_to_num` runs torch.nan_to_num on the logits first (NaN -> 0, +-Inf ->
     the dtype's finite extremes), the common patch against NaN rows.
     """
+    return _torch_route(logits, RouteConfig.of(config, options), bias, nan_to_num)
+
+
+def _torch_route(
+    logits: torch.Tensor, config: RouteConfig, bias: torch.Tensor | None, nan_to_num: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k = config.top_k
     if nan_to_num:
         logits = torch.nan_to_num(logits)
-    if scoring == "softmax":
+    if config.scoring == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-    elif scoring == "sigmoid":
+    else:  # sigmoid (RouteConfig admits no other)
         scores = logits.float().sigmoid()  # [T, E]
-    else:
-        raise ValueError(f"scoring must be softmax or sigmoid, got {scoring!r}")
     select = scores if bias is None else scores + bias.float()
     num_tokens, num_experts = logits.shape
-    if n_group is not None and topk_group is not None and n_group > 1:
+    if config.grouped:
+        n_group, topk_group = config.n_group, config.topk_group
+        assert n_group is not None and topk_group is not None
         group_size = num_experts // n_group
         grouped = select.view(num_tokens, n_group, group_size)
         group_scores = grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1)  # [T, n_group]
@@ -93,7 +103,7 @@ def torch_route(
         select = select.masked_fill(expert_mask == 0, float("-inf"))
         ids = torch.topk(select, k=top_k, dim=-1, sorted=False).indices  # [T, K] int64
         weights = scores.gather(1, ids)
-        if renormalize:
+        if config.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         if bias is None:
@@ -101,78 +111,84 @@ def torch_route(
         else:
             ids = torch.topk(select, top_k, dim=-1).indices
             weights = scores.gather(1, ids)
-        if renormalize:
+        if config.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-    if routed_scaling_factor != 1.0:
-        weights = weights * routed_scaling_factor
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
     return weights, ids
 
 
 @functools.cache
 def _compiled_route() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     # dynamic=False: one specialised graph per shape, as a serving engine's captured buckets use.
-    return torch.compile(torch_route, dynamic=False)
+    # The config's fields are guarded on: one graph per routing config, too.
+    return torch.compile(_torch_route, dynamic=False)
 
 
 def compiled_torch_route(
-    logits: torch.Tensor, top_k: int, **kwargs: Any
+    logits: torch.Tensor,
+    config: RouteConfig | int,
+    *,
+    bias: torch.Tensor | None = None,
+    nan_to_num: bool = False,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch_route` under torch.compile (inductor fuses the elementwise and topk glue)."""
-    return _compiled_route()(logits, top_k, **kwargs)
+    return _compiled_route()(logits, RouteConfig.of(config, options), bias, nan_to_num)
 
 
-def _vllm_route_op(module: Any, logits: torch.Tensor, top_k: int, args: dict[str, Any]) -> Any:
+def _vllm_route_op(module: Any, logits: torch.Tensor, config: RouteConfig, bias: torch.Tensor | None) -> Any:
     """vLLM: `fused_topk` (its CUDA topk_softmax) for plain softmax, `grouped_topk` otherwise."""
-    if args["n_group"] is None and args["bias"] is None and args["scoring"] == "softmax":
-        return module.fused_topk(logits, logits, top_k, args["renormalize"])
+    if config.n_group is None and bias is None and config.scoring == "softmax":
+        return module.fused_topk(logits, logits, config.top_k, config.renormalize)
     return module.grouped_topk(
         logits,
         logits,
-        top_k,
-        args["renormalize"],
-        num_expert_group=args["n_group"] or 1,
-        topk_group=args["topk_group"] or 1,
-        scoring_func=args["scoring"],
-        routed_scaling_factor=args["routed_scaling_factor"],
-        e_score_correction_bias=args["bias"],
+        config.top_k,
+        config.renormalize,
+        num_expert_group=config.n_group or 1,
+        topk_group=config.topk_group or 1,
+        scoring_func=config.scoring,
+        routed_scaling_factor=config.routed_scaling_factor,
+        e_score_correction_bias=bias,
     )
 
 
-def _sglang_route_op(module: Any, logits: torch.Tensor, top_k: int, args: dict[str, Any]) -> Any:
+def _sglang_route_op(
+    module: Any, logits: torch.Tensor, config: RouteConfig, bias: torch.Tensor | None
+) -> Any:
     """SGLang: `fused_topk` for plain softmax, `biased_grouped_topk` / `grouped_topk` otherwise."""
-    if args["n_group"] is None and args["bias"] is None and args["scoring"] == "softmax":
-        return module.fused_topk(logits, logits, top_k, args["renormalize"])
-    groups = (args["n_group"] or 1, args["topk_group"] or 1)
-    scale = {"routed_scaling_factor": args["routed_scaling_factor"]}
-    if args["bias"] is not None:
+    if config.n_group is None and bias is None and config.scoring == "softmax":
+        return module.fused_topk(logits, logits, config.top_k, config.renormalize)
+    groups = (config.n_group or 1, config.topk_group or 1)
+    scale = {"routed_scaling_factor": config.routed_scaling_factor}
+    if bias is not None:
         return module.biased_grouped_topk(
-            logits, logits, args["bias"], top_k, args["renormalize"], *groups, **scale
+            logits, logits, bias, config.top_k, config.renormalize, *groups, **scale
         )
-    return module.grouped_topk(logits, logits, top_k, args["renormalize"], *groups, **scale)
+    return module.grouped_topk(logits, logits, config.top_k, config.renormalize, *groups, **scale)
 
 
 def _library_route(
-    peer: str, module_name: str, op: Callable[[Any, torch.Tensor, int, dict[str, Any]], Any]
+    peer: str,
+    module_name: str,
+    op: Callable[[Any, torch.Tensor, RouteConfig, torch.Tensor | None], Any],
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """A `torch_route`-shaped adapter around a library's routing op (the library's dtypes kept)."""
 
-    def route(logits: torch.Tensor, top_k: int, *, nan_to_num: bool = False, **kwargs: Any):
+    def route(
+        logits: torch.Tensor,
+        config: RouteConfig | int,
+        *,
+        bias: torch.Tensor | None = None,
+        nan_to_num: bool = False,
+        **options: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        config = RouteConfig.of(config, options)
         module = _import_or_unavailable(module_name, peer)
-        args = {
-            "scoring": "softmax",
-            "renormalize": True,
-            "bias": None,
-            "n_group": None,
-            "topk_group": None,
-            "routed_scaling_factor": 1.0,
-        }
-        unknown = set(kwargs) - set(args)
-        if unknown:
-            raise TypeError(f"{peer}_route: unexpected arguments {sorted(unknown)}")
-        args.update(kwargs)
         if nan_to_num:
             logits = torch.nan_to_num(logits)
-        out = _call_peer(peer, "routing", lambda: op(module, logits, top_k, args))
+        out = _call_peer(peer, "routing", lambda: op(module, logits, config, bias))
         return out[0], out[1]
 
     route.__name__ = f"{peer}_route"

@@ -1,4 +1,6 @@
-"""Suite `reference`: the whole MoE layer (route + experts), end to end, bf16.
+"""Suite `layer`: the whole MoE layer (`safemoe.moe`: route + experts), end to end, bf16, against
+the spec (the reference backend) and the HF peers. (Its name was `reference` before: the results
+committed then are `bench/results/reference_*`.)
 
 Implementations, side by side on the same inputs:
 - `safemoe-reference`: `safemoe.moe(..., backend="reference")`, the executable spec (host syncs:
@@ -31,9 +33,9 @@ from safemoe.bench.harness import (
     time_auto,
     time_eager,
 )
-from safemoe.bench.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, torch_route
+from safemoe.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, torch_route
 
-SUITE = "reference"
+SUITE = "layer"
 
 # (E, K, H, I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -147,7 +149,7 @@ def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
             torch.randn(num_experts, hidden, inter, dtype=torch.bfloat16, device=device, generator=generator)
             * inter**-0.5
         )
-        for num_tokens in progress(tokens, f"reference suite: {case}"):
+        for num_tokens in progress(tokens, f"layer suite: {case}"):
             rows.extend(_case_rows(case, shape, num_tokens, w13, w2, ceilings, quick))
         del w13, w2
         torch.cuda.empty_cache()
