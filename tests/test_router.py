@@ -107,7 +107,7 @@ def _route_both(
     if config is None:
         router.route_into(logits, args, **outs)
     else:
-        router._launch(logits, args, config=config, **outs)
+        router.launch_router(logits, args, config=config, **outs)
     return (weights, ids), _reference(logits, args, kwargs.get("bias"), nv)
 
 
@@ -300,7 +300,7 @@ def test_every_config_computes_the_same(device):
         for config in router.candidate_configs(logits.shape[0], num_experts, top_k, 4)[::3]:
             weights = poisoned((logits.shape[0], top_k), torch.float32, device)
             ids = poisoned((logits.shape[0], top_k), torch.int32, device)
-            router._launch(logits, args, bias=None, num_valid=nv, health=None, weights_out=weights,
+            router.launch_router(logits, args, bias=None, num_valid=nv, health=None, weights_out=weights,
                            ids_out=ids, config=config)
             outs.append((weights, ids))
         for weights, ids in outs[1:]:
@@ -317,7 +317,7 @@ def test_unsafe_variant_equals_safe_on_clean_rows(device):
     for safe in (True, False):
         weights = poisoned((9, 8), torch.float32, device)
         ids = poisoned((9, 8), torch.int32, device)
-        router._launch(logits, args, bias=None, num_valid=nv, health=None, weights_out=weights, ids_out=ids,
+        router.launch_router(logits, args, bias=None, num_valid=nv, health=None, weights_out=weights, ids_out=ids,
                        sanitize=safe, padding=safe)
         outs.append((weights, ids))
     assert_equal(outs[0][0], outs[1][0], what="weights")

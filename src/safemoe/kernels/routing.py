@@ -450,7 +450,6 @@ def route_into(
                   weights_out=weights_out, ids_out=ids_out)
 
 
-_launch = launch_router  # the name tests/test_router.py calls it by
 
 
 def route_triton(
