@@ -317,8 +317,8 @@ def test_unsafe_variant_equals_safe_on_clean_rows(device):
     for safe in (True, False):
         weights = poisoned((9, 8), torch.float32, device)
         ids = poisoned((9, 8), torch.int32, device)
-        router.launch_router(logits, args, bias=None, num_valid=nv, health=None, weights_out=weights, ids_out=ids,
-                       sanitize=safe, padding=safe)
+        router.launch_router(logits, args, bias=None, num_valid=nv, health=None, weights_out=weights,
+                             ids_out=ids, sanitize=safe, padding=safe)
         outs.append((weights, ids))
     assert_equal(outs[0][0], outs[1][0], what="weights")
     assert_equal(outs[0][1], outs[1][1], what="ids")
