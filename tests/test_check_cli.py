@@ -182,7 +182,8 @@ def test_console_script_help() -> None:
         done = _run(*argv)
         assert done.returncode == 0, done.stderr
         assert "usage:" in done.stdout
-    check_help = ["safemoe", "check"] if shutil.which("safemoe") else [sys.executable, "-m", "safemoe", "check"]
+    module = [sys.executable, "-m", "safemoe"]
+    check_help = ["safemoe", "check"] if shutil.which("safemoe") else [*module, "check"]
     assert "--only" in _run(*check_help, "--help").stdout
 
 
