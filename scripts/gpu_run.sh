@@ -6,7 +6,8 @@
 #   bash scripts/gpu_run.sh OUT_DIR
 #
 # Environment:
-#   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,bench)
+#   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,soak,bench)
+#   SOAK_REPLAYS / SOAK_TIMEOUT  replays of the soak stage (default 100000) and its limit (300 s)
 #   BENCH_SUITES    suites for the bench stage (default: all)
 #   QUICK=1         smaller bench and per-stage time limits that fit a 7-minute call
 #   TESTS_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT   limits in seconds (SANITIZE_TIMEOUT per pass)
@@ -25,7 +26,9 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$(dirname "$0")/.."
 
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-STAGES=${GPU_RUN_STAGES:-tests,sanitize,bench}
+STAGES=${GPU_RUN_STAGES:-tests,sanitize,soak,bench}
+SOAK_TIMEOUT=${SOAK_TIMEOUT:-300}
+SOAK_REPLAYS=${SOAK_REPLAYS:-100000}
 QUICK=${QUICK:-0}
 if [ "$QUICK" = "1" ]; then
     # Worst case 180 + 2 x 50 + 110 = 390 s. Measured on an H200: both sanitizer passes ~20 s
@@ -99,6 +102,17 @@ if has_stage sanitize; then
     tail -n 3 "$OUT_DIR/sanitize.log"
 fi
 
+if has_stage soak; then
+    echo "== soak (limit ${SOAK_TIMEOUT} s) =="
+    # The captured Qwen3-routing step replayed SOAK_REPLAYS times with fresh NaN rows, bad ids and
+    # padding garbage each replay; violations counted on the device (safemoe/soak.py).
+    timeout --kill-after=15 "$SOAK_TIMEOUT" python3 -m safemoe soak --replays "$SOAK_REPLAYS" \
+        --json "$OUT_DIR/soak.json" > "$OUT_DIR/soak.log" 2>&1
+    rc=$?
+    record soak "$rc" "$(head -n 1 "$OUT_DIR/soak.log")"
+    cat "$OUT_DIR/soak.log"
+fi
+
 if has_stage bench; then
     echo "== bench (limit ${BENCH_TIMEOUT} s) =="
     args=(--out "$OUT_DIR/bench")
@@ -121,7 +135,7 @@ fi
 
 {
     echo "safemoe gpu_run summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $DEVICE)"
-    for stage in tests sanitize bench; do
+    for stage in tests sanitize soak bench; do
         if has_stage "$stage"; then echo "  $stage: ${RESULT[$stage]:-not recorded}"; else echo "  $stage: not run"; fi
     done
     if has_stage tests && [ -f "$OUT_DIR/tests.log" ]; then

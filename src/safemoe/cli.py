@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "check": ("safemoe.check", "check the routing/padding/NaN contract on every backend available here"),
     "bench": ("safemoe.bench.cli", "time the ops under CUDA-graph replay against peers and physical floors"),
     "demo": ("safemoe.demo", "run a small MoE model end to end with CUDA-graph padding"),
+    "soak": ("safemoe.soak", "replay a captured layer with adversarial inputs, count violations"),
 }
 
 
