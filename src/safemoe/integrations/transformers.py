@@ -301,3 +301,6 @@ def set_num_valid(model: nn.Module, num_valid: int | torch.Tensor | None) -> Non
 
 def patched_blocks(model: nn.Module) -> list[SafeMoEBlock]:
     return [m for m in model.modules() if isinstance(m, SafeMoEBlock)]
+
+
+from safemoe.integrations import hf_experts as hf_experts  # noqa: E402  registers experts_implementation="safemoe"
