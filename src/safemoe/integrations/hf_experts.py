@@ -171,6 +171,9 @@ def _identify_gate(module: nn.Module, inter: int, device: torch.device,
                 return layout, activation
     act = getattr(module, "act_fn", None)
     what = f"act_fn={type(act).__name__}" if act is not None else "a custom _apply_gate"
+    limits = [f"{n}={v}" for n in ("limit", "swiglu_limit", "alpha", "swiglu_alpha")
+              if isinstance(v := getattr(module, n, None), (int, float))]
+    what += "".join(f", {x}" for x in limits)
     return (f"gate function ({type(module).__name__}._apply_gate, {what}) is none of safemoe's "
             f"activations {ACTIVATIONS}")
 
