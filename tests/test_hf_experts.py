@@ -1,0 +1,293 @@
+"""experts_implementation="safemoe" (safemoe.integrations.hf_experts) on tiny random models.
+
+fp32 on CPU (safemoe's reference backend; one case runs the Triton kernels under the
+interpreter). Every family of the installed transformers whose experts class carries
+`@use_experts_implementation` and that builds from a tiny config (builders shared with
+scripts/models_coverage.py): the logits of a left-padded batch of two prompts match the stock
+experts ("eager") at fp32 rounding and greedy generation gives the same tokens; a family whose
+experts safemoe cannot run falls back to grouped_mm with a recorded reason and still matches.
+Then the layouts one by one, the prepared-once cache, and ids outside [0, E) from a router.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import safemoe.integrations.transformers  # noqa: E402,F401  registers "safemoe"
+from safemoe.health import DROPPED_SLOTS, Health  # noqa: E402
+from safemoe.integrations import hf_experts  # noqa: E402
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "models_coverage.py"
+_spec = importlib.util.spec_from_file_location("models_coverage", _SCRIPT)
+assert _spec is not None and _spec.loader is not None
+coverage = importlib.util.module_from_spec(_spec)
+sys.modules["models_coverage"] = coverage
+_spec.loader.exec_module(coverage)
+
+FAMILIES = sorted(coverage.moe_families())
+
+
+def test_registered_in_the_experts_interfaces():
+    from transformers.integrations import moe
+
+    assert moe.ALL_EXPERTS_FUNCTIONS["safemoe"] is hf_experts.safemoe_experts_forward
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if hasattr(fp8, "ALL_FP8_EXPERTS_FUNCTIONS"):
+        assert fp8.ALL_FP8_EXPERTS_FUNCTIONS["safemoe"] is hf_experts.safemoe_fp8_experts_forward
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_stock_experts(family):
+    try:
+        stock = coverage.build(family, "eager")
+    except coverage.Unbuildable as exc:
+        pytest.skip(f"{family}: {exc}")
+    model = coverage.build(family, "safemoe")  # from_config(..., experts_implementation="safemoe")
+    model.load_state_dict(stock.state_dict())
+    assert model.config._experts_implementation == "safemoe"
+    modules = hf_experts.experts_modules(model)
+    assert modules, f"{family}: no @use_experts_implementation module in the tiny model"
+
+    want = coverage.logits(stock)
+    got = coverage.logits(model)
+    assert torch.isfinite(want).all()
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=coverage.RTOL, atol=coverage.ATOL * scale)
+    assert torch.equal(coverage.generate(model), coverage.generate(stock))
+
+    # Every experts module was planned by safemoe: it runs it, or fell back with a reason.
+    missing = [n for n, m in modules if getattr(m, "_safemoe_plan", None) is None]
+    assert not missing, f"never reached safemoe's forward: {missing}"
+    for name, reason in hf_experts.fallbacks(model).items():
+        assert reason and isinstance(reason, str), name
+
+
+def test_switching_an_existing_model():
+    stock = coverage.build("qwen3_moe", "eager")
+    want = coverage.logits(stock)
+    stock.set_experts_implementation("safemoe")
+    assert stock.config._experts_implementation == "safemoe"
+    got = coverage.logits(stock)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert hf_experts.fallbacks(stock) == {}
+
+
+# -- layouts on a bare experts module ----------------------------------------------------------
+
+E, H, INTER, T, K = 6, 16, 8, 10, 3
+
+
+class _Config:
+    _experts_implementation = "eager"
+    hidden_act = "silu"
+
+
+def _experts_class(flags: dict, *, activation: str = "silu", interleaved_gate: bool = False) -> type:
+    """A decorated experts class of the given layout; its eager forward is the plain loop."""
+    from transformers.activations import ACT2FN
+    from transformers.integrations.moe import use_experts_implementation
+
+    transposed = flags.get("is_transposed", False)
+    bias = flags.get("has_bias", False)
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = E
+            shape13 = (E, H, 2 * INTER) if transposed else (E, 2 * INTER, H)
+            shape2 = (E, INTER, H) if transposed else (E, H, INTER)
+            self.gate_up_proj = nn.Parameter(torch.randn(shape13) / 4)
+            self.down_proj = nn.Parameter(torch.randn(shape2) / 3)
+            if bias:
+                self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * INTER) / 4)
+                self.down_proj_bias = nn.Parameter(torch.randn(E, H) / 4)
+            self.act_fn = ACT2FN[activation]
+
+        if interleaved_gate:
+
+            def _apply_gate(self, gate_up):
+                return self.act_fn(gate_up[..., ::2]) * gate_up[..., 1::2]
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for t in range(hidden_states.shape[0]):
+                for k in range(top_k_index.shape[1]):
+                    e = int(top_k_index[t, k])
+                    if not 0 <= e < self.num_experts:
+                        continue
+                    w13 = self.gate_up_proj[e].t() if transposed else self.gate_up_proj[e]
+                    w2 = self.down_proj[e].t() if transposed else self.down_proj[e]
+                    h = w13 @ hidden_states[t]
+                    if bias:
+                        h = h + self.gate_up_proj_bias[e]
+                    y = w2 @ self._apply_gate(h[None])[0]
+                    if bias:
+                        y = y + self.down_proj_bias[e]
+                    out[t] += top_k_weights[t, k] * y
+            return out
+
+    return use_experts_implementation(Experts, **flags)
+
+
+LAYOUTS = {
+    "standard": (dict(), "silu", False),
+    "gelu_tanh": (dict(), "gelu_pytorch_tanh", False),
+    "transposed": (dict(is_transposed=True), "silu", False),
+    "interleaved": (dict(is_concatenated=False), "silu", True),
+    "gpt_oss_like": (dict(is_concatenated=False, is_transposed=True, has_bias=True), "silu", True),
+    "bias": (dict(has_bias=True), "silu", False),
+}
+
+
+def _routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, generator=gen)
+    return x, ids, weights
+
+
+def _run(module: nn.Module, impl: str, *args: torch.Tensor) -> torch.Tensor:
+    module.config._experts_implementation = impl
+    with torch.no_grad():
+        return module(*args)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layouts(layout):
+    flags, activation, interleaved = LAYOUTS[layout]
+    torch.manual_seed(0)
+    module = _experts_class(flags, activation=activation, interleaved_gate=interleaved)(_Config())
+    x, ids, weights = _routing()
+    want = _run(module, "eager", x, ids, weights)
+    got = _run(module, "safemoe", x, ids, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plan = module._safemoe_plan
+    assert plan.fallback is None
+    direct = layout in ("standard", "gelu_tanh")
+    # The matching layout runs on the module's own Parameters; others on a copy made once.
+    assert (plan.w13 is module.gate_up_proj) == direct and (plan.w2 is module.down_proj) == direct
+    assert plan.copied == (not direct)
+    _run(module, "safemoe", x, ids, weights)
+    assert module._safemoe_plan is plan  # prepared once, not per call
+
+
+def test_cache_rebuilt_when_parameters_change():
+    module = _experts_class({"is_transposed": True})(_Config())
+    x, ids, weights = _routing()
+    _run(module, "safemoe", x, ids, weights)
+    plan = module._safemoe_plan
+    with torch.no_grad():
+        module.down_proj.mul_(2.0)  # in place: the version counter moves
+    want = _run(module, "eager", x, ids, weights)
+    got = _run(module, "safemoe", x, ids, weights)
+    assert module._safemoe_plan is not plan
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    module.gate_up_proj = nn.Parameter(module.gate_up_proj.detach().clone() * 0.5)  # replaced
+    want = _run(module, "eager", x, ids, weights)
+    torch.testing.assert_close(_run(module, "safemoe", x, ids, weights), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "activation, reason",
+    [("gelu", "none of safemoe's activations"), ("relu2", "none of safemoe's activations")],
+)
+def test_unsupported_activation_falls_back_to_grouped_mm(activation, reason):
+    module = _experts_class({}, activation=activation)(_Config())
+    x, ids, weights = _routing()
+    want = _run(module, "eager", x, ids, weights)
+    got = _run(module, "safemoe", x, ids, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert reason in module._safemoe_plan.fallback
+
+
+def test_non_gated_and_post_norm_fall_back():
+    cases = (({"has_gate": False}, "non-gated"), ({"has_post_expert_norm": True}, "post_expert_norm"))
+    for flags, reason in cases:
+        module = _experts_class({})(_Config())
+        for key, value in flags.items():
+            setattr(module, key, value)
+        plan = hf_experts._plan(module, fp8=False)
+        assert plan.fallback is not None and reason in plan.fallback
+
+
+def test_triton_backend_under_the_interpreter():
+    module = _experts_class({"is_transposed": True, "has_bias": True})(_Config())
+    hf_experts.configure(module, backend="triton")
+    x, ids, weights = _routing()
+    want = _run(module, "eager", x, ids, weights)
+    got = _run(module, "safemoe", x, ids, weights)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_nan_row_stays_in_its_row():
+    module = _experts_class({})(_Config())
+    x, ids, weights = _routing()
+    clean = _run(module, "safemoe", x, ids, weights)
+    x[3] = math.nan
+    weights[5, 1] = math.nan
+    out = _run(module, "safemoe", x, ids, weights)
+    assert out[3].isnan().all() and out[5].isnan().any()
+    rows = [r for r in range(T) if r not in (3, 5)]
+    assert torch.equal(out[rows], clean[rows])
+
+
+# -- ids outside [0, E) from a router ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_router_ids_outside_range_are_dropped(family):
+    """A router emitting -1, E, -E, 2**31 - 1 and 2**32 + 1 (int64: wraps to 1 in int32): those
+    slots are dropped and counted, never served or used as an address; the model does not crash
+    and matches the stock experts with the same slots sent to transformers' own sentinel E."""
+    stock = coverage.build(family, "eager")
+    model = coverage.build(family, "safemoe")
+    model.load_state_dict(stock.state_dict())
+    num_experts = hf_experts.experts_modules(model)[0][1].gate_up_proj.shape[0]
+    bad = torch.tensor([-1, num_experts, -num_experts, 2**31 - 1, 2**32 + 1])
+
+    def corrupt(sentinel: int | None):
+        def hook(module, args, output):
+            logits, scores, index = output
+            index = index.clone()
+            flat = index.view(-1)
+            picks = torch.arange(0, flat.numel(), 3)[: 3 * len(bad)]
+            values = bad.repeat(3)[: len(picks)]
+            flat[picks] = values if sentinel is None else sentinel
+            return logits, scores, index
+
+        return hook
+
+    def gates(m):
+        return [mod for name, mod in m.named_modules() if name.endswith("mlp.gate")]
+
+    health = Health()
+    hf_experts.configure(model, health=health)
+    handles = [g.register_forward_hook(corrupt(None)) for g in gates(model)]
+    handles += [g.register_forward_hook(corrupt(num_experts)) for g in gates(stock)]
+    try:
+        got = coverage.logits(model)
+        want = coverage.logits(stock)  # transformers' eager loop skips id E (its EP sentinel)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
+    dropped = health.tensor[DROPPED_SLOTS].item()
+    assert dropped >= 3 * len(bad), dropped  # every corrupted slot of every layer, counted
+
+
+def test_routing_of_never_wraps_an_id_into_range():
+    index = torch.tensor([[0, 2**32 + 1, -1], [5, 2**40, 3]])
+    routing = hf_experts.routing_of(index, torch.ones(2, 3), 6)
+    assert routing.ids.dtype == torch.int32 and routing.weights.dtype == torch.float32
+    assert routing.ids.tolist() == [[0, -1, -1], [5, -1, 3]]
