@@ -291,3 +291,51 @@ def test_routing_of_never_wraps_an_id_into_range():
     routing = hf_experts.routing_of(index, torch.ones(2, 3), 6)
     assert routing.ids.dtype == torch.int32 and routing.weights.dtype == torch.float32
     assert routing.ids.tolist() == [[0, -1, -1], [5, -1, 3]]
+
+
+# -- fine-grained fp8 experts (FP8ExpertsInterface) --------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["block", "per_tensor"])
+def test_fp8_experts_run_safemoe_fp8_kernels(mode):
+    """transformers' FP8Experts with e4m3 weights and float32 scale_inv run safemoe's fp8 path
+    with the module's own tensors (scales reshaped to safemoe's per-tensor [E, 2] / [E])."""
+    import safemoe
+
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if not hasattr(fp8, "ALL_FP8_EXPERTS_FUNCTIONS"):
+        pytest.skip("this transformers has no FP8ExpertsInterface")
+    from transformers.integrations.moe import use_experts_implementation
+
+    num_experts, size = 4, 128
+    config = transformers.MixtralConfig(hidden_size=size, intermediate_size=size,
+                                        num_local_experts=num_experts, num_experts_per_tok=2)
+    config._experts_implementation = "safemoe"
+    cls = use_experts_implementation(experts_class=fp8.FP8Experts,
+                                     experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    module = cls(config=config, block_size=(128, 128) if mode == "block" else None)
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * size, size, generator=gen) / 8).bfloat16()
+    w2 = (torch.randn(num_experts, size, size, generator=gen) / 8).bfloat16()
+    q13, q2, s13, s2 = safemoe.quantize_experts(w13, w2, mode)
+    if mode == "per_tensor":  # transformers keeps one scale per half of gate_up: [E, 2, 1]
+        s13 = s13[:, None].expand(num_experts, 2).contiguous()
+    with torch.no_grad():
+        module.gate_up_proj.data = q13
+        module.down_proj.data = q2
+        module.gate_up_proj_scale_inv.data = s13.reshape(module.gate_up_proj_scale_inv.shape)
+        module.down_proj_scale_inv.data = s2.reshape(module.down_proj_scale_inv.shape)
+    x = torch.randn(5, size, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [3, -1], [num_experts, 1], [1, 1]])
+    weights = torch.rand(5, 2, generator=gen)
+    with torch.no_grad():
+        out = module(x, ids, weights)
+    plan = module._safemoe_plan
+    assert plan.fallback is None and plan.w13 is module.gate_up_proj
+    want = safemoe.experts(x, q13, q2, hf_experts.routing_of(ids, weights, num_experts), w13_scale=s13,
+                           w2_scale=s2)
+    assert torch.equal(out, want)
+
+    module.activation_scheme = "static"  # per-expert static activation scales: not safemoe's
+    module.gate_up_proj_scale_inv.data = module.gate_up_proj_scale_inv.data.clone()  # new plan
+    assert "activation_scheme" in hf_experts._plan(module, fp8=True).fallback
