@@ -40,6 +40,7 @@ def test_check_passes_on_the_reference(capsys: pytest.CaptureFixture[str], tmp_p
     )  # fmt: skip
     assert code == 0, out
     assert "routing" in out and "padding" in out and "0 failed" in out
+    assert f"created directory {out_json.parent} for --json" in out
     report = json.loads(out_json.read_text())
     assert report["safemoe_version"] == safemoe.__version__
     assert report["summary"]["failed"] == 0 and report["summary"]["crashed"] == 0

@@ -27,7 +27,7 @@ import safemoe
 from safemoe.check import adapters as adapters_module
 from safemoe.check.adapters import SAFEMOE_BACKENDS, Adapter, make_adapters
 from safemoe.check.pool import Job, Pool, PoolOptions, SanitizerReport, run_in_process, sanitizer_command
-from safemoe.check.registry import FAMILIES, Case, label, select_cases
+from safemoe.check.registry import FAMILIES, Case, all_cases, label, select_cases
 from safemoe.check.worker import (
     CRASHED,
     FAILED,
@@ -41,6 +41,16 @@ from safemoe.check.worker import (
     load_plugin,
     setup,
     static_status,
+)
+from safemoe.cli import (
+    UsageError,
+    int_in,
+    names_list,
+    output_file,
+    prepare_output,
+    reports_usage_errors,
+    seconds,
+    unknown_names_message,
 )
 
 SCALES = {"quick": 0, "cpu": 1, "cuda": 2}
@@ -73,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "The fault-injection matrix: routing contract, padding isolation, dispatch robustness, token-count "
         "boundaries, buffer hygiene, CUDA graphs and end-to-end layers, on safemoe's backends and every peer "
         "implementation installed here, each case group in a crash-isolated worker process. Exits 1 if a "
-        "chosen backend fails or crashes."
+        "chosen backend fails or crashes; 2 for a usage error."
     )
     parser.add_argument(
         "--backend",
@@ -94,9 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated checks: a name (routing.nan_rows), a family (routing) or a glob",
     )
     parser.add_argument(
-        "--case", type=int, default=None, metavar="INDEX", help="run only this case of each check"
+        "--case",
+        type=int_in(0),
+        default=None,
+        metavar="INDEX",
+        help="run only this case of each selected check (an index every one of them has; see --list)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of every generated input (default 0)")
+    parser.add_argument(
+        "--seed", type=int_in(0), default=0, help="seed of every generated input, >= 0 (default 0)"
+    )
     parser.add_argument("--quick", action="store_true", help="the small matrix (CI)")
     parser.add_argument("--scale", choices=tuple(SCALES), default=None, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -107,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=int_in(0),
         default=None,
         metavar="N",
         help="worker processes (default: up to 14 on CUDA, one per core on CPU); 0 runs every case in this "
@@ -115,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds(allow_zero=False),
         default=None,
         metavar="SECONDS",
         help="a case running longer is recorded as crashed (default 300 on CUDA, 600 on CPU, 4x that with "
@@ -135,21 +151,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="import this file or module first: it may register backends "
         "(safemoe.check.adapters.register_backend) and checks (safemoe.check.registry.case)",
     )
-    parser.add_argument("--max-crashes", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--max-crashes", type=int_in(1), default=3, help=argparse.SUPPRESS)
     parser.add_argument(
         "--max-time",
-        type=float,
+        type=seconds(allow_zero=True),
         default=None,
         metavar="SECONDS",
-        help="start no case after this long; cases left are reported as not run and the exit status is 1",
+        help="start no case after this long (>= 0); cases left are reported as not run and the exit status "
+        "is 1",
     )
     parser.add_argument(
         "--json",
-        type=Path,
+        type=output_file,
         default=None,
         metavar="PATH",
         dest="json_path",
-        help="also write every case's result as JSON to PATH",
+        help="also write every case's result as JSON to PATH (checked before the run; a missing parent "
+        "directory is created, with a line saying so)",
     )
     parser.add_argument(
         "--list", action="store_true", help="list the checks and their case counts, then exit"
@@ -160,23 +178,66 @@ def _device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
+        raise UsageError("--device", "cuda: no CUDA device is available here (use --device cpu or auto)")
     return indexed_device(torch.device(choice))
 
 
 def _split(text: str | None) -> list[str]:
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
+    return names_list(text or "")
 
 
-def _names(text: str, everything: list[str]) -> list[str]:
-    if text == "all":
+def _names(text: str, everything: list[str], flag: str = "--backend") -> list[str]:
+    """Backend names from --backend / --peers: all, none, or a comma-separated list where `safemoe`
+    stands for safemoe's own backends. An unknown name is a usage error naming `flag`."""
+    if text.strip() == "all":
         return list(everything)
-    if text == "none":
+    if text.strip() == "none":
         return []
+    parts = _split(text)
+    unknown = [p for p in parts if p != "safemoe" and p not in everything]
+    if unknown:
+        keywords = ["safemoe", "all", "none"]
+        raise UsageError(flag, unknown_names_message(unknown, [*keywords, *everything], "backend(s)"))
     names: list[str] = []
-    for part in _split(text):
+    for part in parts:
         names += list(SAFEMOE_BACKENDS) if part == "safemoe" else [part]
     return list(dict.fromkeys(names))
+
+
+def select_or_refuse(only: str | None) -> list[Case]:
+    """The checks --only names; a pattern matching no check is a usage error (close names listed)."""
+    if only is None:
+        return all_cases()
+    patterns = _split(only)
+    if not patterns:
+        raise UsageError("--only", f"names no check, got {only!r}; see safemoe check --list")
+    everything = all_cases()
+    unknown = [p for p in patterns if not select_cases([p])]
+    if unknown:
+        known = [*dict.fromkeys(c.family for c in everything), *(c.name for c in everything)]
+        raise UsageError(
+            "--only", unknown_names_message(unknown, known, "check(s)", see="safemoe check --list")
+        )
+    return select_cases(patterns)
+
+
+def check_case_index(index: int | None, grids: dict[str, int], scale: int) -> None:
+    """--case INDEX must be a case of every selected check (grids: check -> case count)."""
+    if index is None:
+        return
+    lacking = {name: n for name, n in grids.items() if index >= n}
+    if not lacking:
+        return
+    where = {0: " with --quick", 1: " at the CPU scale", 2: " at the CUDA scale"}[scale]
+    shown = ", ".join(
+        f"{name} has {n} cases" + (f" (0..{n - 1})" if n else "") for name, n in list(lacking.items())[:4]
+    )
+    more = f" and {len(lacking) - 4} more checks" if len(lacking) > 4 else ""
+    raise UsageError(
+        "--case",
+        f"{index} is out of range: {shown}{more}{where}; see safemoe check --list, and pick one check "
+        "with --only",
+    )
 
 
 def scale_of(args: argparse.Namespace, device: torch.device) -> int:
@@ -509,60 +570,52 @@ def summary_line(
 # ----------------------------------------------------------------------------------------------
 
 
+@reports_usage_errors("check")
 def run(args: argparse.Namespace) -> int:
+    """The command. Every argument is checked (UsageError: one line, exit status 2) before the first
+    case runs; the exit status is then the chosen backends' verdict (see `verdict_of`)."""
     console = Console()
     if not console.is_terminal:  # a log: room for the whole table (9 columns of counts)
         console = Console(width=max(console.width, 132))
     errors = Console(stderr=True)
     start = time.perf_counter()
-    try:
-        for plugin in args.plugin:
+    for plugin in args.plugin:
+        try:
             load_plugin(plugin)
-    except Exception as error:
-        errors.print(f"safemoe check: --plugin failed: {type(error).__name__}: {error}")
-        return 2
-    cases = select_cases(_split(args.only))
-    try:
-        device = _device(args.device)
-    except ValueError as error:
-        errors.print(f"safemoe check: {error}")
-        return 2
+        except Exception as error:
+            raise UsageError("--plugin", f"{plugin}: {type(error).__name__}: {error}") from None
+    cases = select_or_refuse(args.only)
+    device = _device(args.device)
     scale = scale_of(args, device)
+    sizes = {case.name: len(case.grid(scale, device)) for case in cases}
+    check_case_index(args.case, sizes, scale)
     if args.list:
-        total = 0
         for case in cases:
-            count = len(case.grid(scale, device))
-            total += count
-            console.print(
-                f"{case.name:28} {count:5} cases  {escape(case.doc)}", highlight=False, soft_wrap=True
-            )
+            text = f"{case.name:28} {sizes[case.name]:5} cases  {escape(case.doc)}"
+            console.print(text, highlight=False, soft_wrap=True)
+        total = sum(sizes.values())
         console.print(f"{len(cases)} checks, {total} cases per backend on {device.type}", highlight=False)
         return 0
-    if not cases:
-        errors.print(f"safemoe check: no check matches --only {args.only!r}; see safemoe check --list")
-        return 2
     everything = list(adapters_module.BACKENDS)
-    chosen = _names(args.backend, everything)
-    peers = [n for n in _names(args.peers, everything) if n not in chosen]
+    chosen = _names(args.backend, everything, "--backend")
+    if not chosen:
+        raise UsageError(
+            "--backend",
+            f"chooses no backend ({args.backend!r}); the run needs one to judge (default: safemoe)",
+        )
+    peers = [n for n in _names(args.peers, everything, "--peers") if n not in chosen]
     sanitizer = None
     if args.sanitizer:
         if device.type != "cuda":
-            errors.print(
-                "safemoe check --sanitizer needs CUDA: compute-sanitizer checks CUDA kernels, and this "
-                "run is on the CPU"
+            raise UsageError(
+                "--sanitizer", "needs CUDA: compute-sanitizer checks CUDA kernels, and this run is on the CPU"
             )
-            return 2
         sanitizer = sanitizer_command()
         if sanitizer is None:
-            errors.print(
-                "safemoe check --sanitizer: compute-sanitizer not found on PATH or in /usr/local/cuda*/bin"
-            )
-            return 2
-    try:
-        adapters = make_adapters(chosen + peers, device)
-    except ValueError as error:
-        errors.print(f"safemoe check: {error}")
-        return 2
+            raise UsageError("--sanitizer", "compute-sanitizer not found on PATH or in /usr/local/cuda*/bin")
+    if args.json_path is not None:
+        prepare_output(args.json_path, "check", "--json")
+    adapters = make_adapters(chosen + peers, device)
     config = WorkerConfig(device=str(device), seed=args.seed, scale=scale, plugins=list(args.plugin))
     jobs, decided, _ = plan_jobs(
         cases, adapters, device=device, scale=scale, only_case=args.case, sanitizer=sanitizer is not None
@@ -571,7 +624,9 @@ def run(args: argparse.Namespace) -> int:
     workers = args.jobs if args.jobs is not None else min(14 if cuda else 8, os.cpu_count() or 1)
     if sanitizer is not None:
         workers = max(1, workers)
-    timeout = args.timeout or (300.0 if cuda else 600.0) * (4 if sanitizer else 1)
+    timeout = args.timeout
+    if timeout is None:
+        timeout = (300.0 if cuda else 600.0) * (4 if sanitizer else 1)
     deadline = None if args.max_time is None else time.monotonic() + args.max_time
     options = PoolOptions(
         workers=workers,

@@ -74,7 +74,11 @@ def load_plugin(spec: str) -> None:
             raise ImportError(f"cannot load plugin file {spec}")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]  # a plugin that failed is not loaded: the next attempt runs it again
+            raise
     else:
         importlib.import_module(spec)
 
