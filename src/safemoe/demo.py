@@ -19,9 +19,11 @@ duplicate expert ids per row from the router's output, non-finite rows of each M
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from safemoe.demo_models import build_model, decode_logits, load_config
+from safemoe.cli import UsageError, int_in, output_file, prepare_output, reports_usage_errors
+from safemoe.demo_models import CONFIGS, build_model, decode_logits, load_config
 from safemoe.graphs import CUDAGraphRunner
 from safemoe.health import Health
 
@@ -269,35 +272,129 @@ def print_report(results: list[SideResult], title: str) -> None:
 
 # -- CLI --------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "The stock transformers Qwen3-MoE and the same model patched by safemoe, on a stream of padded "
+        "decode batches whose padding rows hold NaN. Exit status: 1 if safemoe crashed, leaked NaN into real "
+        "rows or produced duplicate ids (the stock side is reported, never judged); 2 for a usage error; "
+        "0 otherwise."
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a few steps on the tiny model (seconds, for CI)"
     )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--config", default=None, help="'tiny', 'gpu' or a JSON path (default: by device)")
-    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    parser.add_argument("--steps", type=int, default=None, help="decode steps (default 48, 8 with --quick)")
-    parser.add_argument("--max-batch", type=int, default=None, help="largest batch (default 256 GPU, 24 CPU)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model runs: cuda if available (auto), else cpu",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help=f"{' or '.join(CONFIGS)} (shipped), or the path of a Qwen3-MoE config JSON (default: gpu on "
+        "CUDA, tiny otherwise)",
+    )
+    parser.add_argument("--layers", type=int_in(1), default=None, help="override the number of layers (>= 1)")
+    parser.add_argument(
+        "--steps", type=int_in(1), default=None, help="decode steps, >= 1 (default 48, 8 with --quick)"
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int_in(1),
+        default=None,
+        help="largest batch, >= 1 (default 256 on CUDA, 24 on CPU, 8 with --quick)",
+    )
+    parser.add_argument("--seed", type=int_in(0), default=0, help="seed of the weights and the stream, >= 0")
+    parser.add_argument(
+        "--json",
+        type=output_file,
+        default=None,
+        help="also write the results as JSON (checked before the run; a missing parent directory is "
+        "created, with a line saying so)",
+    )
 
 
+# Qwen3-MoE config fields the demo's model needs, each an integer >= 1.
+_CONFIG_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+    "num_experts_per_tok",
+)
+
+
+def _load_config(name: str, layers: int | None) -> Any:
+    """The model config, or a UsageError naming --config: a name that is neither shipped nor a file,
+    a file that is not a JSON object of a Qwen3-MoE config, or sizes the model cannot have."""
+    if name not in CONFIGS:
+        path = Path(name)
+        if not path.is_file():
+            shipped = ", ".join(CONFIGS)
+            what = "is not a file" if path.exists() else "does not exist"
+            raise UsageError("--config", f"{name!r} {what}; give {shipped} or the path of a config JSON")
+    try:
+        config = load_config(name, layers)
+    except Exception as error:  # JSON syntax, not an object, fields transformers refuses
+        reason = f"{type(error).__name__}: {error}"
+        raise UsageError("--config", f"{name!r}: not a Qwen3-MoE config: {reason}") from None
+
+    def size_ok(field: str) -> bool:
+        value = getattr(config, field, None)
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    bad = [f for f in _CONFIG_SIZES if not size_ok(f)]
+    if bad:
+        values = ", ".join(f"{f}={getattr(config, f, None)!r}" for f in bad)
+        raise UsageError("--config", f"{name!r}: these must be integers >= 1: {values}")
+    if config.num_experts_per_tok > config.num_experts:
+        raise UsageError(
+            "--config",
+            f"{name!r}: num_experts_per_tok={config.num_experts_per_tok} > num_experts={config.num_experts}",
+        )
+    return config
+
+
+@reports_usage_errors("demo")
 def run(args: argparse.Namespace) -> int:
-    from safemoe.integrations.transformers import patch, set_num_valid
-
+    """Every argument is checked (UsageError) before the model is built."""
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device", "cuda: no CUDA device is available here (use --device cpu or auto)")
     else:
         device = torch.device(args.device)
+    if importlib.util.find_spec("transformers") is None:
+        print("safemoe demo: error: needs transformers: pip install 'safemoe[hf]'", file=sys.stderr)
+        return 2
+    from safemoe.integrations.transformers import patch, set_num_valid
     on_gpu = device.type == "cuda"
     quick = bool(args.quick)
-    config_name = args.config or ("gpu" if on_gpu and not quick else "tiny")
-    steps = args.steps or (8 if quick else 48)
-    max_batch = args.max_batch or (8 if quick else (256 if on_gpu else 24))
+    config_name = args.config if args.config is not None else ("gpu" if on_gpu and not quick else "tiny")
+    steps = args.steps if args.steps is not None else (8 if quick else 48)
+    max_batch = args.max_batch if args.max_batch is not None else (8 if quick else (256 if on_gpu else 24))
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    config = load_config(config_name, args.layers)
+    config = _load_config(config_name, args.layers)
+    if args.json is not None:
+        prepare_output(args.json, "demo", "--json")
     stream = make_stream(steps, max_batch, config.vocab_size, args.seed)
 
-    model = build_model(config, device, dtype, args.seed)
+    try:
+        model = build_model(config, device, dtype, args.seed)
+    except (torch.OutOfMemoryError, MemoryError) as error:
+        model_name = f"{config.num_hidden_layers} layers of {config_name}"
+        raise UsageError(
+            "--config" if args.layers is None else "--layers",
+            f"the model ({model_name}) does not fit on {device}: {error}",
+        ) from None
+    except Exception as error:
+        if config_name in CONFIGS:
+            raise  # a shipped config that does not build is safemoe's bug: show it whole
+        reason = f"{type(error).__name__}: {error}"
+        raise UsageError("--config", f"{config_name!r}: no model can be built from it: {reason}") from None
     stock_impl = getattr(model.config, "_experts_implementation", None) or "eager"
     stock = run_side(f"stock transformers (experts: {stock_impl})", model, stream, max_batch, device)
 
