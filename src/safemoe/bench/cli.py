@@ -21,6 +21,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from safemoe.bench import SUITES, load_suite
+from safemoe.cli import (
+    Parser,
+    UsageError,
+    input_file,
+    names_list,
+    output_dir,
+    reports_usage_errors,
+    seconds,
+    unknown_names_message,
+)
 
 if TYPE_CHECKING:
     from safemoe.bench.harness import DeviceCeilings
@@ -29,6 +39,11 @@ NO_GPU_MESSAGE = "GPU timings need a CUDA GPU; nothing timed (this machine has n
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Time safemoe's ops under CUDA-graph replay against peers and the device's measured ceilings. "
+        "Exit status: 1 when a suite failed; 2 for a usage error; 0 otherwise (also on a machine without "
+        "CUDA, where nothing is timed)."
+    )
     parser.add_argument(
         "--suite",
         default=",".join(SUITES),
@@ -36,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=output_dir,
         default=Path("bench-out"),
-        help="directory for CSV/JSON/PNG results (default: bench-out/)",
+        help="directory for CSV/JSON/PNG results, created if missing (default: bench-out/)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and token counts (a smoke run)")
     parser.add_argument(
@@ -49,13 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds(allow_zero=False),
         default=None,
-        help="seconds allowed per isolated suite before it is stopped (default: none)",
+        help="seconds (> 0) allowed per isolated suite before it is stopped (default: none)",
     )
     parser.add_argument(
         "--ceilings",
-        type=Path,
+        type=input_file,
         default=None,
         help="reuse the ceilings in this JSON file (a ceilings.json of an earlier run) "
         "instead of measuring them",
@@ -64,11 +79,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_suites(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = names_list(text)
+    if not names:
+        raise UsageError("--suite", f"names no suite, got {text!r}; choose from {', '.join(SUITES)}")
     unknown = [name for name in names if name not in SUITES]
     if unknown:
-        raise ValueError(f"--suite: unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
-    return names
+        raise UsageError("--suite", unknown_names_message(unknown, SUITES, "suite(s)"))
+    return list(dict.fromkeys(names))
+
+
+def _load_ceilings(path: Path) -> DeviceCeilings:
+    """The ceilings of an earlier run's ceilings.json; anything else is a usage error."""
+    from safemoe.bench.harness import DeviceCeilings
+
+    try:
+        return DeviceCeilings.from_dict(json.loads(path.read_text())["ceilings"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        reason = f"{type(error).__name__}: {error}"
+        raise UsageError(
+            "--ceilings", f"{str(path)!r} is not a ceilings.json of safemoe bench ({reason})"
+        ) from None
 
 
 def _suite_exists(name: str) -> bool:
@@ -142,23 +172,25 @@ def _run_isolated(name: str, args: argparse.Namespace, ceilings_path: Path) -> s
     return "ok"
 
 
+@reports_usage_errors("bench")
 def run(args: argparse.Namespace) -> int:
-    try:
-        names = _parse_suites(args.suite)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    """Every argument is checked (UsageError) before anything is measured, on every machine."""
+    names = _parse_suites(args.suite)
+    given_ceilings = _load_ceilings(Path(args.ceilings)) if args.ceilings is not None else None
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE)
         return 0
 
-    from safemoe.bench.harness import DeviceCeilings, measure_ceilings, run_info
+    from safemoe.bench.harness import measure_ceilings, run_info
 
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError("--out", f"cannot create {str(out)!r}: {error.strerror or error}") from None
     ceilings_path = out / "ceilings.json"
-    if args.ceilings is not None:
-        ceilings = DeviceCeilings.from_dict(json.loads(Path(args.ceilings).read_text())["ceilings"])
+    if given_ceilings is not None:
+        ceilings = given_ceilings
     else:
         _heading("measuring device ceilings")
         ceilings = measure_ceilings()
@@ -197,9 +229,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="safemoe bench", description=__doc__.splitlines()[0])
+    parser = Parser(prog="safemoe bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 2
+    return run(args)
 
 
 if __name__ == "__main__":
