@@ -255,3 +255,47 @@ def test_good_inputs_reach_the_compute() -> None:
         call_route()()
     with pytest.raises(AssertionError, match="compute"):
         call_experts()()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_every_backend_refuses_alike(backend: str) -> None:
+    """The same bad argument is refused the same way whichever backend would run the call (the
+    reference ignores a workspace, but still checks it)."""
+    too_small = safemoe.Workspace(T - 1, E, K, H, I, torch.float32, "cpu")
+    for call in (call_experts, call_moe):
+        with pytest.raises(TypeError, match=r"^workspace must be a safemoe\.Workspace or None, got str"):
+            call(backend=backend, workspace="x")()
+        with pytest.raises(TypeError, match=r"^workspace must be a safemoe\.Workspace"):
+            call(backend=backend, workspace=object())()
+        with pytest.raises(ValueError, match=r"workspace|max_tokens"):
+            call(backend=backend, workspace=too_small)()
+    with pytest.raises(TypeError, match=r"unknown routing option\(s\) \['foo'\]"):
+        call_moe(backend=backend, foo=1)()
+    with pytest.raises(TypeError, match=r"unknown routing option\(s\) \['foo'\]"):
+        call_route(backend=backend, foo=1)()
+    with pytest.raises(TypeError, match=r"unknown routing option\(s\) \['foo'\]"):
+        safemoe.MoE(H, I, E, K, backend=backend, foo=1)
+    with pytest.raises(TypeError, match=r"^workspace must be a safemoe\.Workspace"):
+        safemoe.MoE(H, I, E, K, backend=backend, workspace="x")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_moe_layer_names_x(backend: str) -> None:
+    """`safemoe.MoE(..., dtype=float32)(x_fp16)`: an error naming x and both dtypes, before the
+    gate's matmul (which would raise a RuntimeError about m1 and m2)."""
+    layer = safemoe.MoE(H, I, E, K, backend=backend, dtype=torch.float32)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        with pytest.raises(TypeError, match=rf"^x must have this layer's dtype torch.float32.*got {dtype}"):
+            layer(torch.randn(T, H, dtype=dtype))
+    with pytest.raises(TypeError, match=r"build the layer with dtype=torch.float16"):
+        layer(torch.randn(T, H, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^x must be on this layer's device cpu, got meta"):
+        layer(torch.randn(T, H, device=META))
+    with pytest.raises(TypeError, match=r"^x must be a torch\.Tensor, got list"):
+        layer([[0.0] * H] * T)
+    with pytest.raises(ValueError, match=r"^x must end with H=16"):
+        layer(torch.randn(T, H + 1))
+    fp8 = safemoe.MoE(H, I, E, K, backend=backend, dtype=torch.bfloat16).quantize_("per_tensor")
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(TypeError, match=rf"^x must have this layer's dtype torch.bfloat16.*got {dtype}"):
+            fp8(torch.randn(T, H, dtype=dtype))

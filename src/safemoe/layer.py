@@ -427,9 +427,8 @@ class MoE(nn.Module):
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, num_valid: int | torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> [..., H]; rows (of the flattened x) at or past num_valid come out as zeros."""
+        self._check_input(x)
         shape = x.shape
-        if shape[-1] != self.hidden_size:
-            raise ValueError(f"x must end with H={self.hidden_size}, got shape {tuple(shape)}")
         x2 = x.reshape(-1, self.hidden_size)  # [T, H]
         if not x2.is_contiguous():
             x2 = x2.contiguous()
@@ -449,6 +448,31 @@ class MoE(nn.Module):
                 ops.zero_padding_(shared, nv)
             out = out + shared
         return out.view(shape)
+
+    def _check_input(self, x: object) -> None:
+        """x must be a tensor [..., H] on the layer's device, in the dtype its weights compute in: a
+        TypeError/ValueError naming x, rather than a matmul's RuntimeError from inside."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must end with H={self.hidden_size}, got shape {tuple(x.shape)}")
+        device = self.gate.weight.device
+        if x.device != device:
+            raise ValueError(f"x must be on this layer's device {device}, got {x.device}")
+        if self.quant is not None:  # fp8 experts: activations bf16/fp16, quantised per row at run time
+            wanted = self.gate.weight.dtype
+            usable: tuple[torch.dtype, ...] = _checks.FP8_ACTIVATION_DTYPES
+            ok = x.dtype in usable and (self.gate.logits_fp32 or x.dtype == wanted)
+        else:
+            wanted = self.w13.dtype
+            usable = _checks.FLOAT_DTYPES
+            ok = x.dtype == wanted and (self.gate.logits_fp32 or x.dtype == self.gate.weight.dtype)
+        if not ok:
+            rebuild = f" or build the layer with dtype={x.dtype}" if x.dtype in usable else ""
+            raise TypeError(
+                f"x must have this layer's dtype {wanted} (its weights'), got {x.dtype}: convert it with "
+                f"x.to({wanted}){rebuild}"
+            )
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  nv: NumValid) -> torch.Tensor:
