@@ -17,7 +17,7 @@ import torch
 
 import safemoe
 from safemoe import cli
-from safemoe.check import adapters
+from safemoe.check import adapters, runner
 from safemoe.check.registry import Plan, all_pairs, select_cases
 from safemoe.check.worker import run_case
 
@@ -70,6 +70,7 @@ def test_broken_backend_fails_with_repro(
     )
     assert code == 1
     assert "FAIL" in out and "duplicate ids" in out
+    assert "safemoe (reference): FAILED: " in out and "exit status 1" in out
     repro = (
         "python3 -m safemoe check --only routing.nan_rows --case 0 --backend reference --peers none --seed 3 "
         "--device cpu --quick --jobs 0"
@@ -226,3 +227,71 @@ def test_cuda_sized_cases_run_on_the_reference() -> None:
                 assert result.status in ("passed", "n/a"), f"{case.name}#{index}: {result.message}"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_default_run_reads_right(capsys: pytest.CaptureFixture[str]) -> None:
+    """safemoe's verdict first and unmistakable, peers after it as peers, and the last line says
+    both apart: the torch peer fails routing.nan_rows (NaN weights) and the run still passes."""
+    code, out = run_cli(
+        capsys, "check", "--backend", "reference", "--peers", "torch", "--only", "routing.nan_rows",
+        "--quick", "--jobs", "0", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, out
+    verdict = out.index("safemoe (reference): PASSED: 0 failed, 0 crashed of ")
+    peers = out.index("peers: what the others do with the same inputs")
+    assert verdict < peers < out.index("torch routing.nan_rows (peer): ")
+    assert "never judged" in out[peers:]
+    assert "reference routing.nan_rows" not in out  # no failure block for safemoe
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("check: ")
+    assert " on safemoe (reference): PASSED; peers, not judged (torch): " in last
+
+
+def test_progress_counts_match_the_summary(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The progress counts every case the summary counts, those decided without running (n/a: the
+    CUDA-graph family on CPU) included: it ends at N/N with N the summary's total."""
+    monkeypatch.setattr(runner, "PROGRESS_LINE_S", -1.0)  # a line per case (output is not a terminal)
+    code, out = run_cli(
+        capsys, "check", "--backend", "reference", "--peers", "none", "--only", "routing.health,graphs.route",
+        "--quick", "--jobs", "0", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, out
+    counts = [line.split()[1] for line in out.splitlines() if line.startswith("checking: ")]
+    done, total = (int(n) for n in counts[-1].split("/"))
+    graphs = len(select_cases(["graphs.route"])[0].grid(0, torch.device("cpu")))
+    assert int(counts[0].split("/")[0]) == graphs + 1  # the n/a cases counted from the start
+    summary = out.rstrip().splitlines()[-1]
+    assert done == total and f"; {total} cases in " in summary, summary
+
+
+def _result(backend: str, status: str) -> runner.CaseResult:
+    return runner.CaseResult("routing.health", backend, 0, status, "")
+
+
+def test_exit_status_is_the_chosen_backends() -> None:
+    """1 when a chosen backend failed, crashed, had memcheck errors or cases left by --max-time;
+    a peer's failures, crashes, memcheck errors and unrun cases never change it."""
+    from safemoe.check.pool import SanitizerReport
+
+    chosen = ["reference", "triton"]
+    passed = [_result("reference", "passed"), _result("triton", "passed")]
+    peer_trouble = [_result("torch", "failed"), _result("hf-eager", "crashed")]
+    memcheck_peer = {"torch": SanitizerReport(errors=3)}
+    verdict = runner.verdict_of(passed + peer_trouble, chosen, {"torch": 5}, memcheck_peer)
+    assert (verdict.word, verdict.exit_status) == ("PASSED", 0)
+    for results, not_run, memcheck, word in (
+        ([*passed, _result("triton", "failed")], {}, None, "FAILED"),
+        ([*passed, _result("reference", "crashed")], {}, None, "FAILED"),
+        (passed, {}, {"triton": SanitizerReport(errors=1)}, "FAILED"),
+        (passed, {"reference": 1}, None, "INCOMPLETE"),
+    ):
+        verdict = runner.verdict_of(results + peer_trouble, chosen, not_run, memcheck)
+        assert (verdict.word, verdict.exit_status) == (word, 1)
+    line = runner.summary_line(passed + peer_trouble, 3.0, chosen, ["vllm"])
+    assert line == (
+        "check: 2 cases, 2 passed, 0 failed, 0 crashed, 0 n/a on safemoe (reference, triton): PASSED; "
+        "peers, not judged (torch, hf-eager): 2 cases, 0 passed, 1 failed, 1 crashed, 0 n/a; 4 cases in 3 s; "
+        "not installed: vllm"
+    )

@@ -13,7 +13,7 @@ import platform
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "The fault-injection matrix: routing contract, padding isolation, dispatch robustness, token-count "
         "boundaries, buffer hygiene, CUDA graphs and end-to-end layers, on safemoe's backends and every peer "
-        "implementation installed here, each case group in a crash-isolated worker process. Exits 1 if a "
-        "chosen backend fails or crashes; 2 for a usage error."
+        "implementation installed here, each case group in a crash-isolated worker process. Exit status: 1 "
+        "when a chosen backend (--backend, default safemoe's reference and triton) failed or crashed, had "
+        "memcheck errors, or had cases left unrun by --max-time; 2 for a usage error; 0 otherwise. Peers "
+        "(--peers) are shown for comparison and never change the exit status."
     )
     parser.add_argument(
         "--backend",
@@ -157,8 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=seconds(allow_zero=True),
         default=None,
         metavar="SECONDS",
-        help="start no case after this long (>= 0); cases left are reported as not run and the exit status "
-        "is 1",
+        help="start no case after this long (>= 0); cases left are reported as not run, and the exit status "
+        "is 1 if a chosen backend's were among them",
     )
     parser.add_argument(
         "--json",
@@ -354,12 +356,19 @@ def execute(
     options: PoolOptions,
     in_process: bool,
     console: Console,
+    decided: int = 0,
+    log: Console | None = None,
 ) -> tuple[list[CaseResult], dict[str, SanitizerReport]]:
+    """Run the jobs. The progress counts every case of the run, the `decided` ones (n/a without
+    running: no CUDA, an op not built) done from the start, so it ends at the summary's count. A
+    bar on `console` when it is a terminal; else a line every PROGRESS_LINE_S seconds on `log`
+    (default `console`), the report's console, so the lines keep their place before the report."""
+    log = log or console
     results: list[CaseResult] = []
-    total = sum(len(j.items) for j in jobs)
+    total = decided + sum(len(j.items) for j in jobs)
     start = last_line = time.monotonic()
     with _progress(console) as progress:
-        task = progress.add_task("checking", total=total)
+        task = progress.add_task("checking", total=total, completed=decided)
 
         def on_result(result: CaseResult) -> None:
             nonlocal last_line
@@ -368,7 +377,9 @@ def execute(
             now = time.monotonic()
             if not console.is_terminal and now - last_line > PROGRESS_LINE_S:  # a log: a line now and then
                 last_line = now
-                console.print(f"checking: {len(results)}/{total} cases, {now - start:.0f} s", highlight=False)
+                log.print(
+                    f"checking: {decided + len(results)}/{total} cases, {now - start:.0f} s", highlight=False
+                )
 
         if in_process:
             run_in_process(jobs, Runner(config).run_job, on_result, options.deadline)
@@ -399,15 +410,114 @@ def _sum(counts: list[Counts]) -> Counts:
     return {s: sum(c[s] for c in counts) for s in STATUSES}
 
 
-def _cell(counts: Counts) -> str:
-    styles = {
-        PASSED: ("green", "ok"),
-        FAILED: ("bold red", "FAIL"),
-        CRASHED: ("bold magenta", "CRASH"),
-        NA: ("dim", "n/a"),
-    }
-    parts = [f"[{styles[s][0]}]{counts[s]} {styles[s][1]}[/]" for s in STATUSES if counts[s]]
+# Cell styles: a chosen backend's failures are red (they fail the run); a peer's are yellow (they
+# are what the comparison is for, and never change the exit status).
+CHOSEN_STYLES = {PASSED: "green", FAILED: "bold red", CRASHED: "bold magenta", NA: "dim"}
+PEER_STYLES = {PASSED: "green", FAILED: "yellow", CRASHED: "yellow", NA: "dim"}
+WORDS = {PASSED: "ok", FAILED: "FAIL", CRASHED: "CRASH", NA: "n/a"}
+
+
+def _cell(counts: Counts, styles: dict[str, str] = CHOSEN_STYLES) -> str:
+    parts = [f"[{styles[s]}]{counts[s]} {WORDS[s]}[/]" for s in STATUSES if counts[s]]
     return "\n".join(parts) or "[dim]-[/]"
+
+
+def subject_of(chosen: list[str]) -> str:
+    """How the report names the chosen backends: "safemoe" when they are all safemoe's own."""
+    return "safemoe" if set(chosen) <= set(SAFEMOE_BACKENDS) else "chosen"
+
+
+@dataclass
+class Verdict:
+    """The run's verdict on the chosen backends (the exit status is theirs)."""
+
+    word: str  # PASSED, FAILED or INCOMPLETE
+    counts: Counts  # the chosen backends' cases by status
+    not_run: int  # their cases left unrun by --max-time
+    memcheck_errors: int
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.word == "PASSED" else 1
+
+
+def verdict_of(
+    results: list[CaseResult],
+    chosen: list[str],
+    not_run: dict[str, int],
+    sanitizer: dict[str, SanitizerReport] | None,
+) -> Verdict:
+    counts = summary_counts([r for r in results if r.backend in chosen])
+    left = sum(not_run.get(b, 0) for b in chosen)
+    errors = sum(sanitizer.get(b, SanitizerReport()).errors for b in chosen) if sanitizer else 0
+    if counts[FAILED] or counts[CRASHED] or errors:
+        word = "FAILED"
+    elif left:
+        word = "INCOMPLETE"
+    else:
+        word = "PASSED"
+    return Verdict(word, counts, left, errors)
+
+
+def verdict_line(verdict: Verdict, chosen: list[str]) -> str:
+    """`safemoe (reference, triton): PASSED: 0 failed, 0 crashed of 292 cases (260 passed, 32 n/a)`."""
+    c = verdict.counts
+    cases = sum(c.values())
+    line = (
+        f"{subject_of(chosen)} ({', '.join(chosen)}): {verdict.word}: {c[FAILED]} failed, {c[CRASHED]} "
+        f"crashed of {cases} cases ({c[PASSED]} passed, {c[NA]} n/a)"
+    )
+    if verdict.memcheck_errors:
+        line += f"; {verdict.memcheck_errors} memcheck errors"
+    if verdict.not_run:
+        line += f"; {verdict.not_run} cases not run (--max-time)"
+    return line + f"; exit status {verdict.exit_status}"
+
+
+def _backend_table(
+    title: str, caption: str, adapters: list[Adapter], counts: dict[str, dict[str, Counts]],
+    families: list[str], styles: dict[str, str], width: int,
+) -> Table:  # fmt: skip
+    table = Table(title=title, caption=caption, show_lines=True, title_justify="left", caption_justify="left")
+    table.add_column("backend", no_wrap=True, min_width=width)
+    for family in families:
+        table.add_column(family, no_wrap=True)
+    table.add_column("all", no_wrap=True)
+    for adapter in adapters:
+        if not (adapter.installed and adapter.available):
+            table.add_row(f"[dim]{adapter.name}\n{adapter.state}[/]", *["[dim]-[/]"] * (len(families) + 1))
+            continue
+        row = counts[adapter.name]
+        table.add_row(
+            adapter.name,
+            *[_cell(row[f], styles) for f in families],
+            _cell(_sum([row[f] for f in families]), styles),
+        )
+    return table
+
+
+def _describe(console: Console, adapters: list[Adapter], chosen: list[str]) -> None:
+    for adapter in adapters:
+        mark = " (chosen)" if adapter.name in chosen else ""
+        if adapter.installed and adapter.available:
+            console.print(f"[bold]{adapter.name}[/]{mark}: {escape(adapter.description)}", highlight=False)
+        else:
+            console.print(
+                f"[dim]{adapter.name}{mark}: {adapter.state}: {escape(adapter.reason)}[/dim]", highlight=False
+            )
+
+
+def _print_memcheck(console: Console, sanitizer: dict[str, SanitizerReport], backends: list[str]) -> None:
+    for backend, report in sorted(sanitizer.items()):
+        if backend not in backends:
+            continue
+        style = "bold red" if report.errors else "green"
+        console.print(
+            f"[{style}]memcheck {backend}: {report.errors} errors[/] in {report.processes} processes",
+            highlight=False,
+        )
+        for line in report.reports[:10]:
+            console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
 
 
 def print_report(
@@ -418,39 +528,57 @@ def print_report(
     families: list[str],
     title: str,
     sanitizer: dict[str, SanitizerReport] | None,
+    verdict: Verdict,
 ) -> None:
-    for adapter in adapters:
-        mark = " (chosen)" if adapter.name in chosen else ""
-        if adapter.installed and adapter.available:
-            console.print(f"[bold]{adapter.name}[/]{mark}: {escape(adapter.description)}", highlight=False)
-        else:
-            console.print(
-                f"[dim]{adapter.name}{mark}: {adapter.state}: {escape(adapter.reason)}[/dim]", highlight=False
-            )
+    """safemoe's own (the chosen backends') section first, its verdict right under its table and
+    its failures after it; then the peers, as peers: what the others do with the same inputs."""
     counts = tally(results)
-    table = Table(title=title, show_lines=True, caption="* chosen: the exit status is theirs")
-    table.add_column("backend", no_wrap=True, min_width=max(len(a.name) for a in adapters) + 2)
-    for family in families:
-        table.add_column(family, no_wrap=True)
-    table.add_column("all", no_wrap=True)
-    for adapter in adapters:
-        name = adapter.name + (" *" if adapter.name in chosen else "")
-        if not (adapter.installed and adapter.available):
-            table.add_row(f"[dim]{name}\n{adapter.state}[/]", *["[dim]-[/]"] * (len(families) + 1))
-            continue
-        row = counts[adapter.name]
-        table.add_row(name, *[_cell(row[f]) for f in families], _cell(_sum([row[f] for f in families])))
-    console.print(table)
-    _print_details(console, chosen, results)
+    width = max(len(a.name) for a in adapters) + 2
+    mine = [a for a in adapters if a.name in chosen]
+    peers = [a for a in adapters if a.name not in chosen]
+    subject = subject_of(chosen)
+    console.rule(f"[bold]{escape(title)}[/]")
+    _describe(console, mine, chosen)
+    console.print(
+        _backend_table(
+            f"{subject}: the contract on {', '.join(chosen)}",
+            "judged: a failure or crash here fails the run (exit status 1)",
+            mine,
+            counts,
+            families,
+            CHOSEN_STYLES,
+            width,
+        )
+    )
     if sanitizer is not None:
-        for backend, report in sorted(sanitizer.items()):
-            style = "bold red" if report.errors else "green"
-            console.print(
-                f"[{style}]memcheck {backend}: {report.errors} errors[/] in {report.processes} processes",
-                highlight=False,
-            )
-            for line in report.reports[:10]:
-                console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+        _print_memcheck(console, sanitizer, chosen)
+    style = "bold green" if verdict.word == "PASSED" else "bold red"
+    console.print(f"[{style}]{escape(verdict_line(verdict, chosen))}[/]", highlight=False, soft_wrap=True)
+    _print_details(console, chosen, [r for r in results if r.backend in chosen])
+    if not peers:
+        return
+    console.print()
+    console.rule("[bold]peers: what the others do with the same inputs[/]")
+    console.print(
+        "Shown for comparison, never judged: a peer's failures and crashes do not change the exit status. "
+        "They are expected (docs/check.md says which bug class each one is).",
+        highlight=False,
+    )
+    _describe(console, peers, chosen)
+    console.print(
+        _backend_table(
+            "peers",
+            "not judged: the exit status is the chosen backends' alone",
+            peers,
+            counts,
+            families,
+            PEER_STYLES,
+            width,
+        )
+    )
+    if sanitizer is not None:
+        _print_memcheck(console, sanitizer, [a.name for a in peers])
+    _print_details(console, chosen, [r for r in results if r.backend not in chosen])
 
 
 def _print_details(console: Console, chosen: list[str], results: list[CaseResult]) -> None:
@@ -472,10 +600,10 @@ def _print_details(console: Console, chosen: list[str], results: list[CaseResult
             )
             if part
         )
-        style = "bold red" if backend in chosen else "red"
-        console.print(
-            f"[{style}]{backend} {check}[/]: {what} of {sizes[(backend, check)]} cases", highlight=False
-        )
+        style = "bold red" if backend in chosen else "yellow"
+        whose = "" if backend in chosen else " (peer)"
+        size = sizes[(backend, check)]
+        console.print(f"[{style}]{backend} {check}[/]{whose}: {what} of {size} cases", highlight=False)
         for r in bad[: CHOSEN_EXAMPLES if backend in chosen else PEER_EXAMPLES]:
             console.print(
                 f"  {r.status.upper()} {escape(f'[{r.params}]')} {escape(r.message)}",
@@ -550,16 +678,30 @@ def write_json(
     path.write_text(json.dumps(payload, indent=1) + "\n")
 
 
+def _counts_text(c: Counts) -> str:
+    cases = sum(c.values())
+    return f"{cases} cases, {c[PASSED]} passed, {c[FAILED]} failed, {c[CRASHED]} crashed, {c[NA]} n/a"
+
+
 def summary_line(
-    results: list[CaseResult], seconds: float, chosen: list[str], not_installed: list[str]
+    results: list[CaseResult],
+    seconds: float,
+    chosen: list[str],
+    not_installed: list[str],
+    verdict: Verdict | None = None,
 ) -> str:
-    c = summary_counts(results)
-    line = (
-        f"check: {len(results)} cases, {c[PASSED]} passed, {c[FAILED]} failed, {c[CRASHED]} crashed, "
-        f"{c[NA]} n/a, {seconds:.0f} s"
-    )
-    mine = summary_counts([r for r in results if r.backend in chosen])
-    line += f"; chosen ({', '.join(chosen)}): {mine[FAILED]} failed, {mine[CRASHED]} crashed"
+    """The last line: the chosen backends' counts and verdict first, then the peers' (not judged),
+    then the whole run: `check: 292 cases, 260 passed, 0 failed, 0 crashed, 32 n/a on safemoe
+    (reference, triton): PASSED; peers, not judged (torch, ...): 584 cases, ...; 876 cases in 24 s`."""
+    verdict = verdict or verdict_of(results, chosen, {}, None)
+    whose = f"{subject_of(chosen)} ({', '.join(chosen)})"
+    line = f"check: {_counts_text(verdict.counts)} on {whose}: {verdict.word}"
+    order = {name: i for i, name in enumerate(adapters_module.BACKENDS)}
+    peers = sorted({r.backend for r in results if r.backend not in chosen}, key=lambda n: order.get(n, 99))
+    if peers:
+        theirs = summary_counts([r for r in results if r.backend not in chosen])
+        line += f"; peers, not judged ({', '.join(peers)}): {_counts_text(theirs)}"
+    line += f"; {len(results)} cases in {seconds:.0f} s"
     if not_installed:
         line += f"; not installed: {', '.join(not_installed)}"
     return line
@@ -639,15 +781,18 @@ def run(args: argparse.Namespace) -> int:
     in_process = workers == 0 and sanitizer is None
     threads = torch.get_num_threads()
     try:
-        if in_process:
-            with warnings.catch_warnings():
+        with warnings.catch_warnings():
+            if in_process:
                 setup(config)
-                ran, memcheck = execute(jobs, config=config, options=options, in_process=True, console=errors)
-        else:
-            ran, memcheck = execute(jobs, config=config, options=options, in_process=False, console=errors)
+            ran, memcheck = execute(
+                jobs, config=config, options=options, in_process=in_process, console=errors,
+                decided=len(decided), log=console,
+            )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    not_run = sum(len(j.items) for j in jobs) - len(ran)
+    planned = collections.Counter(job.backend for job in jobs for _ in job.items)
+    finished = collections.Counter(r.backend for r in ran)
+    not_run = {backend: planned[backend] - finished[backend] for backend in planned}
     results = sorted(decided + ran, key=lambda r: (r.backend, r.check, r.case))
     grids = {c.name: c for c in cases}
     for r in results:
@@ -659,7 +804,9 @@ def run(args: argparse.Namespace) -> int:
     families = [f for f in FAMILIES if any(c.family == f for c in cases)]
     names = [n for n in ("quick",) if args.quick] + (["memcheck"] if sanitizer else [])
     title = f"safemoe check ({device}, seed {args.seed}{''.join(', ' + n for n in names)})"
-    print_report(console, adapters, chosen, results, families, title, memcheck if sanitizer else None)
+    reports = memcheck if sanitizer else None
+    verdict = verdict_of(results, chosen, not_run, reports)
+    print_report(console, adapters, chosen, results, families, title, reports, verdict)
     if args.json_path is not None:
         write_json(
             args.json_path,
@@ -671,16 +818,15 @@ def run(args: argparse.Namespace) -> int:
             results=results,
             families=families,
             seconds=seconds,
-            not_run=not_run,
+            not_run=sum(not_run.values()),
             sanitizer=memcheck if sanitizer else None,
         )
         console.print(f"wrote {args.json_path}", highlight=False)
     not_installed = [a.name for a in adapters if not a.installed]
-    line = summary_line(results, seconds, chosen, not_installed)
-    if not_run:
-        line += f"; {not_run} cases not run (--max-time {args.max_time:.0f} s)"
+    line = summary_line(results, seconds, chosen, not_installed, verdict)
+    left = sum(not_run.values())
+    if left:
+        line += f"; {left} cases not run (--max-time {args.max_time:.0f} s)"
     console.print(line, highlight=False, soft_wrap=True)
     sys.stdout.flush()
-    mine = [r for r in results if r.backend in chosen]
-    bad_memcheck = sanitizer is not None and any(memcheck.get(b, SanitizerReport()).errors for b in chosen)
-    return 1 if not_run or bad_memcheck or any(r.status in (FAILED, CRASHED) for r in mine) else 0
+    return verdict.exit_status
