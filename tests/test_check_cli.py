@@ -289,6 +289,12 @@ def test_exit_status_is_the_chosen_backends() -> None:
     ):
         verdict = runner.verdict_of(results + peer_trouble, chosen, not_run, memcheck)
         assert (verdict.word, verdict.exit_status) == (word, 1)
+    # A chosen backend that cannot run here is named, never counted as passed; none at all: NOT RUN.
+    verdict = runner.verdict_of(passed[:1], chosen, {}, None, {"triton": "unavailable"})
+    assert verdict.word == "PASSED"
+    assert "not run here: triton (unavailable)" in runner.verdict_line(verdict, chosen)
+    verdict = runner.verdict_of(peer_trouble, ["vllm"], {}, None, {"vllm": "not installed"})
+    assert (verdict.word, verdict.exit_status) == ("NOT RUN", 1)
     line = runner.summary_line(passed + peer_trouble, 3.0, chosen, ["vllm"])
     assert line == (
         "check: 2 cases, 2 passed, 0 failed, 0 crashed, 0 n/a on safemoe (reference, triton): PASSED; "

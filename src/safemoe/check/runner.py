@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -431,10 +432,11 @@ def subject_of(chosen: list[str]) -> str:
 class Verdict:
     """The run's verdict on the chosen backends (the exit status is theirs)."""
 
-    word: str  # PASSED, FAILED or INCOMPLETE
+    word: str  # PASSED, FAILED, INCOMPLETE or NOT RUN
     counts: Counts  # the chosen backends' cases by status
     not_run: int  # their cases left unrun by --max-time
     memcheck_errors: int
+    absent: dict[str, str] = dataclasses.field(default_factory=dict)  # chosen, not installed/available
 
     @property
     def exit_status(self) -> int:
@@ -446,7 +448,12 @@ def verdict_of(
     chosen: list[str],
     not_run: dict[str, int],
     sanitizer: dict[str, SanitizerReport] | None,
+    absent: dict[str, str] | None = None,
 ) -> Verdict:
+    """FAILED (a chosen backend failed or crashed a case, or had memcheck errors), INCOMPLETE (cases
+    of theirs left by --max-time), NOT RUN (no case of theirs at all: every chosen backend is
+    `absent`, i.e. not installed or not available here) or PASSED. Only PASSED exits 0. A chosen
+    backend absent while another ran is named in the verdict line, never counted as passed."""
     counts = summary_counts([r for r in results if r.backend in chosen])
     left = sum(not_run.get(b, 0) for b in chosen)
     errors = sum(sanitizer.get(b, SanitizerReport()).errors for b in chosen) if sanitizer else 0
@@ -454,9 +461,11 @@ def verdict_of(
         word = "FAILED"
     elif left:
         word = "INCOMPLETE"
+    elif not sum(counts.values()):
+        word = "NOT RUN"
     else:
         word = "PASSED"
-    return Verdict(word, counts, left, errors)
+    return Verdict(word, counts, left, errors, dict(absent or {}))
 
 
 def verdict_line(verdict: Verdict, chosen: list[str]) -> str:
@@ -471,6 +480,8 @@ def verdict_line(verdict: Verdict, chosen: list[str]) -> str:
         line += f"; {verdict.memcheck_errors} memcheck errors"
     if verdict.not_run:
         line += f"; {verdict.not_run} cases not run (--max-time)"
+    if verdict.absent:
+        line += "; not run here: " + ", ".join(f"{name} ({state})" for name, state in verdict.absent.items())
     return line + f"; exit status {verdict.exit_status}"
 
 
@@ -805,7 +816,8 @@ def run(args: argparse.Namespace) -> int:
     names = [n for n in ("quick",) if args.quick] + (["memcheck"] if sanitizer else [])
     title = f"safemoe check ({device}, seed {args.seed}{''.join(', ' + n for n in names)})"
     reports = memcheck if sanitizer else None
-    verdict = verdict_of(results, chosen, not_run, reports)
+    absent = {a.name: a.state for a in adapters if a.name in chosen and not (a.installed and a.available)}
+    verdict = verdict_of(results, chosen, not_run, reports, absent)
     print_report(console, adapters, chosen, results, families, title, reports, verdict)
     if args.json_path is not None:
         write_json(
