@@ -44,6 +44,7 @@ from torch import nn
 from safemoe import _checks
 from safemoe.fp8 import QUANT_MODES
 from safemoe.health import Health
+from safemoe.integrations.serving import track_real_tokens
 from safemoe.layer import MoE, fold_expert_biases
 from safemoe.numerics import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from safemoe.route_config import RouteConfig
@@ -288,6 +289,7 @@ def patch(
         moe.set_health(health)
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, SafeMoEBlock(moe, state, cls, returns_pair))
+    track_real_tokens(model)  # serving engines' real-token count -> num_valid (see serving.py)
     return model
 
 
