@@ -158,6 +158,13 @@ def poison_padding(model: nn.Module) -> tuple[torch.Tensor, list]:
     return nonzero, handles
 
 
+def read(health: Health) -> dict[str, int]:
+    """The counters once every stream is done (the engine computes on its own CUDA stream)."""
+    if health.device.type == "cuda":
+        torch.cuda.synchronize()
+    return health.read()
+
+
 def check_serving(family: str, monkeypatch, *, device: str, dtype: torch.dtype, backend: str,
                   force_padding: bool, exact: bool, **cb_options) -> None:
     """Stock run, patched run, patched run with NaN in every padded MoE input row; see the module doc.
@@ -180,7 +187,7 @@ def check_serving(family: str, monkeypatch, *, device: str, dtype: torch.dtype, 
     layers = len(patched_blocks(model))
     with engine(monkeypatch, force_padding=force_padding) as steps:
         got = generate_batch(model, cb)
-    counts = health.read()
+    counts = read(health)
     assert counts["padded_rows"] == layers * steps.padded > 0, (counts, steps.rows)
     assert counts["nonfinite_rows"] == 0 and counts["dropped_slots"] == 0, counts
     assert model._safemoe_state.num_valid is None, "the engine's count outlived the forward"
@@ -198,7 +205,7 @@ def check_serving(family: str, monkeypatch, *, device: str, dtype: torch.dtype, 
         poisoned = generate_batch(model, cb)
     for h in handles:
         h.remove()
-    counts = health.read()
+    counts = read(health)
     assert poisoned == got, f"{family}: NaN in padded rows changed real tokens"
     assert counts["padded_rows"] == layers * steps.padded > 0, (counts, steps.rows)
     assert counts["nonfinite_rows"] == 0, f"{family}: padded NaN rows were routed: {counts}"
@@ -260,7 +267,7 @@ def test_generate_batch_compiled(monkeypatch):
     torch._dynamo.reset()
     assert got == want
     assert steps.padded > 0, "the compiled engine did not pad"
-    counts = health.read()
+    counts = read(health)
     assert counts["padded_rows"] == len(patched_blocks(model)) * steps.padded, (counts, steps.rows)
     assert counts["nonfinite_rows"] == 0
     assert model._safemoe_state.num_valid is None
