@@ -48,7 +48,6 @@ def test_cli_reports_and_writes_json(tmp_path, capsys):
         ["--max-tokens", "x"],
         ["--model", "nosuch"],
         ["--device", "tpu"],
-        ["--json", "/nonexistent-dir/x.json", "--replays", "1"],
         pytest.param(
             ["--device", "cuda"], marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")
         ),
@@ -58,3 +57,11 @@ def test_usage_errors_exit_2(argv, capsys):
     assert main(["soak", *argv]) == 2
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
+
+
+def test_json_under_a_plain_file_is_a_usage_error(tmp_path, capsys):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    assert main(["soak", "--replays", "1", "--json", str(plain / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "argument --json" in err and "Traceback" not in err

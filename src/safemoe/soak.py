@@ -30,11 +30,11 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from safemoe.cli import UsageError, int_in, output_file, prepare_output, reports_usage_errors
 from safemoe.health import DROPPED_SLOTS, HEALTH_SLOTS
 from safemoe.layer import MoE
 from safemoe.routing import Routing
@@ -215,34 +215,23 @@ def soak(*, replays: int | None = None, device: str = "auto", model: str = "qwen
 
 # -- the `safemoe soak` subcommand ----------------------------------------------------------------
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replays", type=_positive, default=None,
+    parser.add_argument("--replays", type=int_in(1), default=None,
                         help="replays (default: 100000 on a GPU, 300 eagerly on CPU)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3", help="routing shape (E, K)")
-    parser.add_argument("--max-tokens", type=_positive, default=None,
+    parser.add_argument("--max-tokens", type=int_in(1), default=None,
                         help="T of the captured step (default: 256 on a GPU, 16 on CPU)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--seed", type=int_in(0), default=0)
+    parser.add_argument("--json", type=output_file, default=None, help="also write the report here")
 
 
+@reports_usage_errors("soak")
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("safemoe soak: --device cuda: no CUDA device here", flush=True)
-        return 2
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
-        print(f"safemoe soak: --json {args.json}: not a writable file path (missing folder?)", flush=True)
-        return 2
+        raise UsageError("--device", "cuda: no CUDA device here")
+    if args.json is not None:
+        prepare_output(args.json, "soak", "--json")
     report = soak(replays=args.replays, device=args.device, model=args.model, max_tokens=args.max_tokens,
                   seed=args.seed)  # fmt: skip
     verdict = "OK" if report.ok else "VIOLATIONS"
