@@ -192,7 +192,7 @@ def moe(
     """`route(router_logits, top_k, bias=bias)` then `experts(x, w13, w2, routing)`.
 
     top_k: K, or a whole `RouteConfig`; with K, the routing options as keywords (scoring,
-        renormalize, n_group, topk_group, routed_scaling_factor).
+        renormalize, n_group, topk_group, routed_scaling_factor, group_score).
     workspace, w13_scale, w2_scale: as in `safemoe.experts` (fp8 weights with their scales).
     Every argument is checked before any kernel launches.
     """
@@ -224,7 +224,7 @@ class MoE(nn.Module):
     """A Mixture-of-Experts layer that keeps the safemoe contract (see the module docstring).
 
     top_k: K, or a whole `RouteConfig`; with K, its options as keywords (scoring,
-        renormalize, n_group, topk_group, routed_scaling_factor); `self.route_config` holds it.
+        renormalize, n_group, topk_group, routed_scaling_factor, group_score); `self.route_config` holds it.
     Parameters: `gate.weight` [E, H] (+ `gate.bias` [E] with router_bias), `w13` [E, 2I, H] (gate
     rows then up rows), `w2` [E, H, I]; with `expert_bias` the folded `w13` [E, 2I, Hf] / `w2`
     [E, Hf, I] and `w2_bias` [E, H]; with `shared_intermediate_size` a `shared_expert` (GatedMLP,
