@@ -124,6 +124,12 @@ SPECS: dict[str, Family] = {
         linear_head_dim=8, linear_num_heads=4, num_expert_group=4, topk_group=2, num_experts_per_token=2)),
     "solar_open": Family("SolarOpenConfig", "SolarOpenForCausalLM"),
     "mimo_v2_flash": Family("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM"),
+    # softmax, no renormalisation, scaling; groups scored by their best expert
+    "deepseek_v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(topk_method="greedy")),
+    "deepseek_v2_grouped": Family("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                                  dict(topk_method="group_limited_greedy", mlp_layer_types=["sparse"] * 2)),
+    "deepseek_ocr2": Family("DeepseekOcr2TextConfig", "DeepseekOcr2TextModel",
+                            dict(topk_method="group_limited_greedy", mlp_layer_types=["sparse"] * 2)),
     "mistral4": Family("Mistral4Config", "Mistral4ForCausalLM"),
     "mistral_large4": Family("MistralLarge4TextConfig", "MistralLarge4TextModel"),
     "minimax_m2": Family("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),

@@ -418,6 +418,27 @@ def _deepseek_v3(block: Any, where: str) -> MoE:
     return moe
 
 
+def _deepseek_v2(block: Any, where: str) -> MoE:
+    """DeepSeek-V2 (and DeepSeek-OCR-2's text model): fp32 logits, softmax over E, top-k, not
+    renormalised, routed_scaling_factor. topk_method "greedy": plain top-k; "group_limited_greedy":
+    a group scores its best expert (group_score="max"), the best topk_group groups kept (the
+    stock router masks the others with 0.0: the same picks while the kept experts' probabilities
+    are > 0); shared experts."""
+    router = block.gate
+    method = getattr(router, "topk_method", "greedy")
+    if method == "greedy":
+        groups: dict[str, Any] = {}
+    elif method == "group_limited_greedy":
+        groups = dict(n_group=int(router.num_group), topk_group=int(router.topk_group), group_score="max")
+    else:
+        raise ValueError(f"{where}: topk_method={method!r} (greedy or group_limited_greedy)")
+    config = RouteConfig(int(router.top_k), renormalize=False,
+                         routed_scaling_factor=float(router.routed_scaling_factor), **groups)
+    moe = _standard(block, router, config, where, router_logits_fp32=True)
+    moe.shared_expert = getattr(block, "shared_experts", None)
+    return moe
+
+
 def _mistral4(block: Any, where: str) -> MoE:
     """Mistral-4 / Mistral-Large-3 (4): softmax over E, group-limited (sum of each group's top
     two) with no bias, renormalised (norm_topk_prob; always in Large), routed_scaling_factor. The
@@ -548,6 +569,8 @@ _BUILDERS = {
     "KimiLinearMoE": (_deepseek_v3, False),
     "SolarOpenMoE": (_deepseek_v3, False),
     "MiMoV2FlashMoE": (_deepseek_v3, False),
+    "DeepseekV2Moe": (_deepseek_v2, False),
+    "DeepseekOcr2TextMoe": (_deepseek_v2, False),
     "Mistral4MoE": (_mistral4, False),
     "MistralLarge4TextMoE": (_mistral4, False),
     "MiniMaxM2SparseMoeBlock": (_minimax_m2, False),
