@@ -136,6 +136,11 @@ SPECS: dict[str, Family] = {
     "afmoe": Family("AfmoeConfig", "AfmoeForCausalLM", dict(route_scale=2.0)),
     "lfm2_moe": Family("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(layer_types=["conv", "full_attention"],
                                                                    routed_scaling_factor=1.5)),
+    # sigmoid of the top-k logits, applied to the experts' input (top-1 in the released models)
+    "llama4": Family("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=48)),
+    "llama4_top2": Family("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_experts_per_tok=2, interleave_moe_layer_step=1, intermediate_size_mlp=48)),
     # router bias, softmax of the top-k logits, swigluoai, expert biases
     "gpt_oss": Family("GptOssConfig", "GptOssForCausalLM", dict(intermediate_size=16,
                                                                 layer_types=["full_attention"] * 2)),
@@ -210,8 +215,10 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def block_out(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's hidden output, flattened to [T, H] (Llama 4's stock block returns it flat)."""
     out = block(x)
-    return out[0] if isinstance(out, tuple) else out
+    out = out[0] if isinstance(out, tuple) else out
+    return out.reshape(-1, out.shape[-1])
 
 
 def poison_layers(model: nn.Module, num_valid: int):
@@ -234,7 +241,7 @@ def poison_layers(model: nn.Module, num_valid: int):
 
 
 # Families whose experts are copied at patch time (transposed or de-interleaved layouts).
-COPIED = {"gpt_oss", "dbrx", "aria"}
+COPIED = {"gpt_oss", "dbrx", "aria", "llama4", "llama4_top2"}
 
 
 def stock_w13(block: nn.Module) -> torch.Tensor | None:

@@ -47,28 +47,37 @@ Routing kinds:
 | Solar-Open | `SolarOpenMoE` | deepseek | shared experts |
 | MiMo-V2-Flash | `MiMoV2FlashMoE` | deepseek | |
 | Mistral-4 | `Mistral4MoE`, `MistralLarge4TextMoE` | softmax, groups, renorm, scaling (**) | shared experts |
+| DeepSeek-V2 | `DeepseekV2Moe` | fp32 logits, softmax, [groups by max (**)], scaling | shared experts |
+| DeepSeek-OCR-2 | `DeepseekOcr2TextMoe` | as DeepSeek-V2 | shared experts |
 | MiniMax-M2 | `MiniMaxM2SparseMoeBlock` | sigmoid + selection bias, renorm | |
 | AFMoE | `AfmoeSparseMoeBlock` | sigmoid + selection bias, renorm, route_scale | shared experts |
 | LFM2-MoE | `Lfm2MoeSparseMoeBlock` | sigmoid (+ selection bias), renorm (***), scaling | |
+| Llama 4 | `Llama4TextMoe` | sigmoid of the top-k logits, on the expert input (****) | shared expert |
 | gpt-oss | `GptOssMLP` | router bias, topk-softmax | swigluoai, biases |
 
 (*) ERNIE floors the renormalising sum at moe_norm_min (1e-12): different only when the k picked
 probabilities sum below it. (**) The stock router masks dropped groups with 0.0, not -inf: the
-same picks while the kept experts' probabilities are > 0. (***) LFM2 divides by sum + 1e-6:
-its weights are within 1e-6 relative of safemoe's. DeepSeek-style routers add 1e-20 to the sum
-(below fp32 resolution). Everywhere, ties (exactly equal scores) go to the lowest expert index,
-where torch.topk promises no order.
+same picks while the kept experts' probabilities are > 0. DeepSeek-V2's group_limited_greedy
+scores a group by its best expert (`RouteConfig.group_score="max"`); its "greedy" is plain
+top-k. (***) LFM2 divides by sum + 1e-6: its weights are within 1e-6 relative of safemoe's.
+DeepSeek-style routers add 1e-20 to the sum (below fp32 resolution). (****) Llama 4 multiplies
+the expert's input by the weight (`MoE(input_weighted=True)`: out = shared(x) + sum over k of
+expert_k(x * w_k), in the model's dtype as the model does), which for a gated MLP is not the
+output-weighted sum; top-1 in the released models, any k here. Selection on the sigmoid scores,
+where the stock router and Cohere2's sigmoid mode compare the logits, differs only when logits
+above ~16.6 saturate to 1.0 in fp32 (then the lower index wins). Everywhere, ties (exactly equal
+scores) go to the lowest expert index, where torch.topk promises no order.
 
 Not supported (patch raises, naming the class): Phi-3.5-MoE (`PhimoeSparseMoeBlock`: sparsemixer
 routing, a second pick masked by a threshold relative to the first), NLLB-MoE and Switch
 Transformers (capacity-limited routing that drops tokens, encoder-decoder), LongCat-Flash
-(zero-computation identity experts), Llama-4's and DeepSeek-V2's grouped routing (see below when
-supported), NemotronH (non-gated relu^2 experts and a latent projection), Gemma-4 (router RMSNorm and
-per-expert output scales), Laguna (tanh softcapping of the logits), Kolibri (selection bias on the
-logits, not the scores), AXK1 / AXK2 (a norm after the block; groups masked with 0.0 under a
-signed bias), GLM-5-Next, HY-V4, MiniMax-M3, Step-3.7, Inkling (clamped or softcapped SwiGLU
-variants safemoe's experts do not have), DeepSeek-V4 (hash routing), Zaya (an MLP router), Doge
-(product-key experts), JetMoE's attention experts (`JetMoeMoA`, not an MLP).
+(zero-computation identity experts), NemotronH (non-gated relu^2 experts and a latent
+projection), Gemma-4 (router RMSNorm and per-expert output scales), Laguna (tanh softcapping of
+the logits), Kolibri (selection bias on the logits, not the scores), AXK1 / AXK2 (a norm after
+the block; groups masked with 0.0 under a signed bias), GLM-5-Next, HY-V4, MiniMax-M3,
+Step-3.7, Inkling (clamped or softcapped SwiGLU variants safemoe's experts do not have),
+DeepSeek-V4 (hash routing), Zaya (an MLP router), Doge (product-key experts), JetMoE's attention
+experts (`JetMoeMoA`, not an MLP).
 
 Weights: the router weight, `gate_up_proj` [E, 2I, H] (gate rows then up rows, exactly safemoe's
 w13) and `down_proj` [E, H, I] (safemoe's w2) are reused as the same Parameter objects, no copy
@@ -85,8 +94,8 @@ padding (the MoE never reads them and writes zeros there). For a CUDA graph, set
 graph's device scalar before capture.
 
 Not carried over: `output_router_logits` (the router-logit recorder hooks the model's router
-class, which is gone) and gpt-oss's second output (router scores, which its decoder layer discards)
-is None. Inference only: safemoe's ops have no backward.
+class, which is gone) and the second output of gpt-oss's and Llama 4's blocks (router scores or
+logits, which their decoder layers discard) is None. Inference only: safemoe's ops have no backward.
 """
 
 from __future__ import annotations
@@ -495,6 +504,27 @@ def _lfm2_moe(block: Any, where: str) -> MoE:
     return moe
 
 
+def _llama4(block: Any, where: str) -> MoE:
+    """Llama 4 (Llama4TextMoe): top-k of the logits, each picked expert's weight sigmoid(logit)
+    (not renormalised), applied to the expert's INPUT: out = shared(x) + sum over k of
+    expert_k(x * w_k) (MoE input_weighted; the stock block runs every expert on x * 0 for the
+    others, which gives 0: its experts are bias-free gated MLPs). Experts are stored [E, H, 2I] /
+    [E, I, H]: transposed once (a copy). Selection is on the sigmoid scores, where the stock router
+    compares logits: they differ only when two logits above ~16.6 both saturate to 1.0 in fp32
+    (then the lower index wins)."""
+    router, experts = block.router, block.experts
+    with torch.no_grad():
+        w13 = _need(experts, "gate_up_proj", where).transpose(1, 2).contiguous()  # [E, 2I, H]
+        w2 = _need(experts, "down_proj", where).transpose(1, 2).contiguous()  # [E, H, I]
+    if getattr(router, "bias", None) is not None:
+        raise ValueError(f"{where}: a router with a bias (Llama 4's has none)")
+    config = RouteConfig(int(router.top_k), scoring="sigmoid", renormalize=False)
+    moe = _make_moe(where, router.weight, w13, w2, config, _experts_activation(experts, where, block),
+                    input_weighted=True)
+    moe.shared_expert = _need(block, "shared_expert", where)
+    return moe
+
+
 def _gpt_oss(block: Any, where: str) -> MoE:
     router, experts = block.router, block.experts
     alpha, limit = (
@@ -576,6 +606,7 @@ _BUILDERS = {
     "MiniMaxM2SparseMoeBlock": (_minimax_m2, False),
     "AfmoeSparseMoeBlock": (_afmoe, False),
     "Lfm2MoeSparseMoeBlock": (_lfm2_moe, False),
+    "Llama4TextMoe": (_llama4, True),
     "GptOssMLP": (_gpt_oss, True),
 }
 
