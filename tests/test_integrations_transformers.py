@@ -85,6 +85,11 @@ SPECS: dict[str, Family] = {
                       dict(layer_types=["linear_attention", "full_attention"])),
     "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=16)),
     "flex_olmo": Family("FlexOlmoConfig", "FlexOlmoForCausalLM"),
+    "mellum": Family("MellumConfig", "MellumForCausalLM", dict(mlp_layer_types=["sparse", "sparse"],
+                                                               layer_types=["full_attention"] * 2)),
+    "qwen4_exp": Family("Qwen4ExpTextConfig", "Qwen4ExpTextModel", dict(
+        _LINEAR, layer_types=["linear_attention", "indexed_attention"], indexer_budget=16,
+        indexer_compress_ratio=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16)),
     "hunyuan_v1_moe": Family("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "ernie4_5_moe": Family("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
                            dict(moe_layer_start_index=0, moe_num_shared_experts=1)),
@@ -124,10 +129,30 @@ SPECS: dict[str, Family] = {
         linear_head_dim=8, linear_num_heads=4, num_expert_group=4, topk_group=2, num_experts_per_token=2)),
     "solar_open": Family("SolarOpenConfig", "SolarOpenForCausalLM"),
     "mimo_v2_flash": Family("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM"),
+    "bailing_hybrid": Family("BailingHybridConfig", "BailingHybridForCausalLM", dict(
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"],
+        num_expert_group=4, layer_group_size=2)),
+    "dots3_note": Family("Dots3NoteTextConfig", "Dots3NoteTextModel", dict(
+        layer_types=["sliding_attention", "sliding_attention"], mlp_layer_types=["sparse", "sparse"])),
+    "beam": Family("BeamConfig", "BeamForCausalLM", dict(
+        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"])),
+    "hy_v3": Family("HYV3Config", "HYV3ForCausalLM", dict(mlp_layer_types=["sparse", "sparse"],
+                                                          router_scaling_factor=2.5)),
+    "minimax_m3": Family("MiniMaxM3VLTextConfig", "MiniMaxM3VLTextModel", dict(
+        mlp_layer_types=["sparse", "sparse"], layer_types=["full_attention"] * 2,
+        shared_intermediate_size=24)),
+    "laguna": Family("LagunaConfig", "LagunaForCausalLM", dict(
+        mlp_layer_types=["sparse", "sparse"], layer_types=["full_attention"] * 2,
+        moe_routed_scaling_factor=2.0)),
+    "flint": Family("FlintConfig", "FlintForCausalLM",
+                    dict(layer_types=["full_attention", "sliding_attention"])),
     # softmax, no renormalisation, scaling; groups scored by their best expert
     "deepseek_v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(topk_method="greedy")),
     "deepseek_v2_grouped": Family("DeepseekV2Config", "DeepseekV2ForCausalLM",
                                   dict(topk_method="group_limited_greedy", mlp_layer_types=["sparse"] * 2)),
+    "unlimited_ocr": Family("UnlimitedOcrTextConfig", "UnlimitedOcrTextModel", dict(
+        topk_method="group_limited_greedy", mlp_layer_types=["sparse"] * 2,
+        layer_types=["reference_sliding_attention"] * 2)),
     "deepseek_ocr2": Family("DeepseekOcr2TextConfig", "DeepseekOcr2TextModel",
                             dict(topk_method="group_limited_greedy", mlp_layer_types=["sparse"] * 2)),
     "mistral4": Family("Mistral4Config", "Mistral4ForCausalLM"),
@@ -146,6 +171,13 @@ SPECS: dict[str, Family] = {
                                                                 layer_types=["full_attention"] * 2)),
 }  # fmt: skip
 FAMILIES = list(SPECS)
+# Families whose MoE block safemoe leaves alone (the reasons: integrations/transformers.py).
+UNSUPPORTED = {
+    "phimoe": (Family("PhimoeConfig", "PhimoeForCausalLM"), "PhimoeSparseMoeBlock"),
+    "nemotron_h": (Family("NemotronHConfig", "NemotronHForCausalLM", dict(
+        layers_block_type=["moe", "attention"], mamba_num_heads=4, mamba_head_dim=8, n_groups=1,
+        ssm_state_size=8)), "NemotronHMoE"),
+}
 
 
 def _class(spec: Family, name: str):
@@ -165,7 +197,7 @@ def _fields(config_cls) -> set[str]:
 
 
 def config(family: str):
-    spec = SPECS[family]
+    spec = SPECS[family] if family in SPECS else UNSUPPORTED[family][0]
     config_cls = _class(spec, spec.config)
     fields = _fields(config_cls)
     kwargs = {k: v for k, v in TINY.items() if k in fields}
@@ -180,7 +212,7 @@ def config(family: str):
 
 
 def build(family: str) -> nn.Module:
-    spec = SPECS[family]
+    spec = SPECS[family] if family in SPECS else UNSUPPORTED[family][0]
     model_cls = _class(spec, spec.model)
     conf = config(family)
     torch.manual_seed(0)
@@ -334,10 +366,36 @@ def test_unsupported_blocks_raise_naming_the_class():
         patch(build("mixtral"), backend="gpu")
 
 
-def test_gpt_oss_rejects_other_swiglu_constants():
-    model = build("gpt_oss")
-    model.model.layers[0].mlp.experts.alpha = 1.5
-    with pytest.raises(ValueError, match="alpha"):
+@pytest.mark.parametrize("family", list(UNSUPPORTED))
+def test_unsupported_families_raise_naming_the_block(family):
+    model = build(family)
+    with pytest.raises(ValueError, match=f"cannot patch {UNSUPPORTED[family][1]}"):
+        patch(model)
+
+
+def _set(path: str, value):
+    def mutate(model: nn.Module) -> None:
+        owner, _, attr = path.rpartition(".")
+        block = moe_blocks(model)[0][1]
+        setattr(block.get_submodule(owner) if owner else block, attr, value)
+
+    return mutate
+
+
+@pytest.mark.parametrize(("family", "mutate", "match"), [
+    ("gpt_oss", _set("experts.alpha", 1.5), "alpha"),
+    ("minimax_m3", _set("experts.swiglu_limit", 10.0), "limit"),
+    ("laguna", _set("gate.router_logit_softcapping", 30.0), "softcapping"),
+    ("dbrx", _set("moe_normalize_expert_weights", 2.0), "p=1"),
+    ("deepseek_v2", _set("gate.topk_method", "noaux_tc"), "topk_method"),
+    ("cohere2_moe", _set("shared_expert_combination_strategy", "max"), "strategy"),
+    ("cohere2_moe", _set("gate.expert_selection_fn", "relu"), "expert_selection_fn"),
+])
+def test_routing_safemoe_cannot_express_is_refused(family, mutate, match):
+    """A block whose routing or experts differ from what its builder maps raises, naming why."""
+    model = build(family)
+    mutate(model)
+    with pytest.raises(ValueError, match=match):
         patch(model)
 
 

@@ -26,6 +26,8 @@ Routing kinds:
 | MiniMax-01 | `MiniMaxSparseMoeBlock` | softmax-topk (always renorm) | |
 | OLMoE | `OlmoeSparseMoeBlock` | softmax-topk | |
 | FlexOlmo | `FlexOlmoSparseMoeBlock` | softmax-topk | |
+| Mellum | `MellumSparseMoeBlock` | softmax-topk | |
+| Qwen4-Exp | `Qwen4ExpTextSparseMoeBlock` | softmax-topk | shared expert, sigmoid gate |
 | Hunyuan-A13B | `HunYuanMoEV1Moe` | softmax-topk (always renorm; fp32 logits if `wg` is fp32) | shared MLP |
 | ERNIE-4.5 | `Ernie4_5_MoeSparseMoeBlock` | softmax-topk, fp32 logits, selection bias (*) | shared experts |
 | Jamba | `JambaSparseMoeBlock` | softmax-topk, no renorm | |
@@ -46,12 +48,19 @@ Routing kinds:
 | Kimi-Linear | `KimiLinearMoE` | deepseek | shared experts |
 | Solar-Open | `SolarOpenMoE` | deepseek | shared experts |
 | MiMo-V2-Flash | `MiMoV2FlashMoE` | deepseek | |
+| Ling hybrid | `BailingHybridMoE` | deepseek | shared experts |
+| dots3 | `Dots3NoteTextMoE` | deepseek | shared experts |
+| Beam | `BeamMoE` | deepseek (scaling on the block output) | |
 | Mistral-4 | `Mistral4MoE`, `MistralLarge4TextMoE` | softmax, groups, renorm, scaling (**) | shared experts |
 | DeepSeek-V2 | `DeepseekV2Moe` | fp32 logits, softmax, [groups by max (**)], scaling | shared experts |
-| DeepSeek-OCR-2 | `DeepseekOcr2TextMoe` | as DeepSeek-V2 | shared experts |
+| DeepSeek-OCR-2 | `DeepseekOcr2TextMoe`, `UnlimitedOcrTextMoe` | as DeepSeek-V2 | shared experts |
 | MiniMax-M2 | `MiniMaxM2SparseMoeBlock` | sigmoid + selection bias, renorm | |
 | AFMoE | `AfmoeSparseMoeBlock` | sigmoid + selection bias, renorm, route_scale | shared experts |
 | LFM2-MoE | `Lfm2MoeSparseMoeBlock` | sigmoid (+ selection bias), renorm (***), scaling | |
+| HY-V3 | `HYV3MoE` | fp32 logits, sigmoid + selection bias, renorm, scaling | shared experts |
+| MiniMax-M3 | `MiniMaxM3VLSparseMoeBlock` | sigmoid + selection bias, renorm, scaling | swigluoai, shared |
+| Laguna | `LagunaSparseMoeBlock` | sigmoid + selection bias, renorm, scaling (no softcap) | shared experts |
+| Flint | `FlintSparseMoeBlock` | fp32 logits, sigmoid, renorm = norm_topk_prob | shared expert |
 | Llama 4 | `Llama4TextMoe` | sigmoid of the top-k logits, on the expert input (****) | shared expert |
 | gpt-oss | `GptOssMLP` | router bias, topk-softmax | swigluoai, biases |
 
@@ -72,10 +81,12 @@ Not supported (patch raises, naming the class): Phi-3.5-MoE (`PhimoeSparseMoeBlo
 routing, a second pick masked by a threshold relative to the first), NLLB-MoE and Switch
 Transformers (capacity-limited routing that drops tokens, encoder-decoder), LongCat-Flash
 (zero-computation identity experts), NemotronH (non-gated relu^2 experts and a latent
-projection), Gemma-4 (router RMSNorm and per-expert output scales), Laguna (tanh softcapping of
-the logits), Kolibri (selection bias on the logits, not the scores), AXK1 / AXK2 (a norm after
-the block; groups masked with 0.0 under a signed bias), GLM-5-Next, HY-V4, MiniMax-M3,
-Step-3.7, Inkling (clamped or softcapped SwiGLU variants safemoe's experts do not have),
+projection), Gemma-4 (router RMSNorm and per-expert output scales), Laguna with tanh softcapping
+of the logits, Kolibri (selection bias on the logits, not the scores), AXK1 / AXK2 (a norm after
+the block; groups masked with 0.0 under a signed bias), GLM-5-Next, HY-V4, Step-3.7 (clamped
+SwiGLU on some layers), Inkling (clamped or softcapped SwiGLU variants safemoe's experts do not
+have), Muse-Spark (a logit
+multiplier, projections and a norm around the experts),
 DeepSeek-V4 (hash routing), Zaya (an MLP router), Doge (product-key experts), JetMoE's attention
 experts (`JetMoeMoA`, not an MLP).
 
@@ -408,18 +419,22 @@ def _cohere2(block: Any, where: str) -> MoE:
 
 def _deepseek_v3(block: Any, where: str) -> MoE:
     """DeepSeek-V3 and the families sharing its router (Kimi-K2, GLM-4.5/4.6/4.7, GLM-4.5V,
-    GLM-4.7-Flash, GLM-5, DeepSeek-V3.2, dots.llm1, EXAONE-MoE, Kimi-Linear, Solar-Open,
-    MiMo-V2-Flash): fp32 logits, sigmoid, selection bias, group-limited (sum of each group's top
-    two), renormalised (norm_topk_prob), routed_scaling_factor; shared experts where the block
-    has them."""
+    GLM-4.7-Flash, GLM-5, DeepSeek-V3.2, dots.llm1, dots3, EXAONE-MoE, Kimi-Linear, Ling/Bailing
+    hybrid, Solar-Open, MiMo-V2-Flash, Beam): fp32 logits, sigmoid, selection bias, group-limited
+    (sum of each group's top two), renormalised (norm_topk_prob), routed_scaling_factor (Beam's
+    block scales its output by it: the same up to rounding); shared experts where the block has
+    them."""
     router = block.gate
+    scale = getattr(router, "routed_scaling_factor", None)  # Beam scales the block's output instead
+    if scale is None:
+        scale = _need(block, "routed_scaling_factor", where)
     config = RouteConfig(
         int(router.top_k),
         scoring="sigmoid",
         renormalize=bool(router.norm_topk_prob),
         n_group=int(router.num_group),
         topk_group=int(router.topk_group),
-        routed_scaling_factor=float(router.routed_scaling_factor),
+        routed_scaling_factor=float(scale),
     )
     moe = _standard(block, router, config, where, selection_bias=True, router_logits_fp32=True)
     _adopt(moe.gate, "selection_bias", _need(router, "e_score_correction_bias", where))
@@ -485,6 +500,52 @@ def _afmoe(block: Any, where: str) -> MoE:
                          routed_scaling_factor=float(router.route_scale))
     moe = _standard(block, _need(router, "gate", where), config, where, selection_bias=True)
     _adopt(moe.gate, "selection_bias", _need(block, "expert_bias", where))
+    moe.shared_expert = _need(block, "shared_experts", where)
+    return moe
+
+
+def _flint(block: Any, where: str) -> MoE:
+    """Flint: fp32 logits, sigmoid, top-k, renormalised when norm_topk_prob; an ungated shared
+    expert."""
+    router = block.gate
+    config = RouteConfig(int(router.top_k), scoring="sigmoid", renormalize=_renormalize(router))
+    moe = _standard(block, router, config, where, router_logits_fp32=True)
+    moe.shared_expert = _need(block, "shared_expert", where)
+    return moe
+
+
+def _sigmoid_biased_scaled(block: Any, where: str) -> MoE:
+    """HY-V3, MiniMax-M3 and Laguna: sigmoid + selection bias, renormalised, times a scale (HY-V3's
+    router_scaling_factor in the router; the others' routed_scaling_factor on the block's routed
+    output: the same up to rounding); shared experts. HY-V3 computes its logits in fp32 (its fp32
+    combine of routed and shared outputs rounds the same as adding them in bf16/fp16);
+    MiniMax-M3's experts are gpt-oss's clamped SwiGLU (swigluoai) in the plain gate/up layout.
+    Laguna's optional tanh softcapping of the logits is not supported (0, its default, is)."""
+    router, experts = block.gate, block.experts
+    softcap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
+    if softcap > 0.0:
+        raise ValueError(f"{where}: router_logit_softcapping={softcap}: safemoe has no logit softcapping")
+    bias = getattr(block, "e_score_correction_bias", None)
+    if bias is None:
+        bias = _need(router, "e_score_correction_bias", where)
+    scale = getattr(router, "router_scaling_factor", None)
+    if scale is None:
+        scale = _need(block, "routed_scaling_factor", where)
+    config = RouteConfig(int(router.top_k), scoring="sigmoid", routed_scaling_factor=float(scale))
+    if getattr(experts, "swiglu_alpha", None) is not None:
+        alpha, limit = float(experts.swiglu_alpha), float(experts.swiglu_limit)
+        if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+            raise ValueError(
+                f"{where}: safemoe's swigluoai uses alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}; "
+                f"this model has alpha={alpha}, limit={limit}"
+            )
+        activation = "swigluoai"
+    else:
+        activation = _experts_activation(experts, where, block)
+    w13, w2 = _fused_experts(experts, where)
+    moe = _make_moe(where, router.weight, w13, w2, config, activation, selection_bias=True,
+                    router_logits_fp32=type(block).__name__ == "HYV3MoE")
+    _adopt(moe.gate, "selection_bias", bias)
     moe.shared_expert = _need(block, "shared_experts", where)
     return moe
 
@@ -573,6 +634,8 @@ _BUILDERS = {
     "Qwen3VLMoeTextSparseMoeBlock": (_softmax_topk, False),
     "Qwen3OmniMoeThinkerTextSparseMoeBlock": (_softmax_topk, False),
     "Qwen3OmniMoeTalkerTextSparseMoeBlock": (_softmax_topk, False),
+    "Qwen4ExpTextSparseMoeBlock": (_softmax_topk, False),
+    "MellumSparseMoeBlock": (_softmax_topk, False),
     "MixtralSparseMoeBlock": (_softmax_topk, False),
     "MiniMaxSparseMoeBlock": (_softmax_topk, False),
     "OlmoeSparseMoeBlock": (_softmax_topk, False),
@@ -599,13 +662,21 @@ _BUILDERS = {
     "KimiLinearMoE": (_deepseek_v3, False),
     "SolarOpenMoE": (_deepseek_v3, False),
     "MiMoV2FlashMoE": (_deepseek_v3, False),
+    "BailingHybridMoE": (_deepseek_v3, False),
+    "Dots3NoteTextMoE": (_deepseek_v3, False),
+    "BeamMoE": (_deepseek_v3, False),
     "DeepseekV2Moe": (_deepseek_v2, False),
     "DeepseekOcr2TextMoe": (_deepseek_v2, False),
+    "UnlimitedOcrTextMoe": (_deepseek_v2, False),
     "Mistral4MoE": (_mistral4, False),
     "MistralLarge4TextMoE": (_mistral4, False),
     "MiniMaxM2SparseMoeBlock": (_minimax_m2, False),
     "AfmoeSparseMoeBlock": (_afmoe, False),
     "Lfm2MoeSparseMoeBlock": (_lfm2_moe, False),
+    "FlintSparseMoeBlock": (_flint, False),
+    "HYV3MoE": (_sigmoid_biased_scaled, False),
+    "MiniMaxM3VLSparseMoeBlock": (_sigmoid_biased_scaled, False),
+    "LagunaSparseMoeBlock": (_sigmoid_biased_scaled, False),
     "Llama4TextMoe": (_llama4, True),
     "GptOssMLP": (_gpt_oss, True),
 }
