@@ -85,10 +85,9 @@ projection), Gemma-4 (router RMSNorm and per-expert output scales), Laguna with 
 of the logits, Kolibri (selection bias on the logits, not the scores), AXK1 / AXK2 (a norm after
 the block; groups masked with 0.0 under a signed bias), GLM-5-Next, HY-V4, Step-3.7 (clamped
 SwiGLU on some layers), Inkling (clamped or softcapped SwiGLU variants safemoe's experts do not
-have), Muse-Spark (a logit
-multiplier, projections and a norm around the experts),
-DeepSeek-V4 (hash routing), Zaya (an MLP router), Doge (product-key experts), JetMoE's attention
-experts (`JetMoeMoA`, not an MLP).
+have), Muse-Spark (a logit multiplier, projections and a norm around the experts), DeepSeek-V4
+(hash routing), Zaya (an MLP router), Doge (product-key experts), JetMoE's attention experts
+(`JetMoeMoA`, not an MLP).
 
 Weights: the router weight, `gate_up_proj` [E, 2I, H] (gate rows then up rows, exactly safemoe's
 w13) and `down_proj` [E, H, I] (safemoe's w2) are reused as the same Parameter objects, no copy
