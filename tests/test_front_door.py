@@ -45,6 +45,8 @@ def _fp8_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
         ({"top_k": 2, "routed_scaling_factor": math.inf}, ValueError, "routed_scaling_factor"),
         ({"top_k": 2, "routed_scaling_factor": -1.0}, ValueError, "routed_scaling_factor"),
         ({"top_k": 2, "routed_scaling_factor": "2"}, TypeError, "routed_scaling_factor"),
+        ({"top_k": 2, "n_group": 2, "topk_group": 1, "group_score": "sum"}, ValueError, "group_score"),
+        ({"top_k": 2, "group_score": "max"}, ValueError, "needs n_group"),
     ],
 )
 def test_route_config_rejects(fields, error, match):

@@ -129,6 +129,50 @@ def test_expert_biases_folded():
     assert_equal(got[4:], torch.zeros_like(got[4:]), what="padded rows")
 
 
+def input_weighted_reference(x, w13, w2, weights, ids):
+    """Llama 4: sum over picked experts of expert(x * w), x * w rounded to x's dtype; no weight on
+    the output."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            h = w13[e].float() @ (x[t] * weights[t, k].to(x.dtype)).float()
+            act = activation_reference(h[:inter], h[inter:], "silu").to(x.dtype).float()
+            out[t] += w2[e].float() @ act
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpreter_only(
+    "CPU tensors; the Llama 4 family runs on the GPU in test_integrations_transformers"))])
+def test_input_weighted_experts(top_k, backend):
+    """input_weighted (Llama 4): the weight scales the expert's input; with a gated MLP that is
+    not the output-weighted sum. NaN padding rows are never read and come out as zeros."""
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    torch.manual_seed(2)
+    moe = MoE(H, I, E, top_k, scoring="sigmoid", renormalize=False, input_weighted=True, backend=backend,
+              dtype=dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = padded_input(9, 6).to(dtype)
+    with torch.no_grad():
+        got = moe(x, num_valid=torch.tensor(6))
+        logits = F.linear(x, moe.gate.weight)
+        routing = safemoe.route(logits, moe.route_config, num_valid=6, backend="reference")
+        want = input_weighted_reference(x[:6], moe.w13, moe.w2, routing.weights[:6], routing.ids[:6])
+        output_weighted = moe_reference(x[:6], F.linear(x[:6], moe.gate.weight), moe.w13, moe.w2,
+                                        moe.route_config)
+    assert_close(got[:6], want, what="input-weighted experts")
+    assert_equal(got[6:], torch.zeros_like(got[6:]), what="padded rows")
+    assert not torch.allclose(got[:6].float(), output_weighted.float(), atol=1e-3), "not output weighting"
+    with pytest.raises(ValueError, match="input_weighted"):
+        MoE(H, I, E, top_k, input_weighted=True, expert_bias=True)
+
+
 def test_fold_expert_biases_layout():
     w13, b13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, 2 * I), torch.randn(E, H, I)
     w13f, w2f = fold_expert_biases(w13, b13, w2)

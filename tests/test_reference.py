@@ -150,6 +150,21 @@ def test_group_score_is_sum_of_top_two() -> None:
     assert ids.tolist() == [[4, 5]]
 
 
+def test_group_score_max_is_the_best_expert() -> None:
+    """DeepSeek-V2's group_limited_greedy: a group scores its best expert, not its top-2 sum."""
+    logits = torch.tensor([[5.0, -5.0, -5.0, -5.0, 3.0, 3.0, -5.0, -5.0]])
+    for scoring in ("sigmoid", "softmax"):
+        _, ids = route_reference(logits, 2, scoring=scoring, n_group=2, topk_group=1, group_score="max")
+        assert ids.tolist() == [[0, 1]]  # group 0 (the best expert) kept, group 1 dropped
+    _, ids = route_reference(logits, 2, scoring="sigmoid", n_group=2, topk_group=1)
+    assert ids.tolist() == [[4, 5]]  # by the sum of the top two, group 1 wins
+    # Groups whose maxima tie: the lower group index wins; NaN rows stay inside the contract.
+    tied = torch.tensor([[1.0, 2.0, 2.0, 0.0, math.nan, math.nan, math.nan, math.nan]])
+    weights, ids = route_reference(tied, 2, n_group=4, topk_group=1, group_score="max", renormalize=False)
+    assert ids.tolist() == [[1, 0]]
+    assert_routing_contract(weights, ids, 8, 1)
+
+
 def test_group_masking_uses_minus_inf_not_zero() -> None:
     """vLLM #13474: with negative selection scores, masking dropped groups with 0 would make a
     masked expert outrank every kept one."""

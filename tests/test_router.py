@@ -76,6 +76,7 @@ def _args(logits: torch.Tensor, top_k: int, **kwargs) -> _checks.RouteArgs:
         n_group=kwargs.get("n_group"),
         topk_group=kwargs.get("topk_group"),
         routed_scaling_factor=kwargs.get("routed_scaling_factor", 1.0),
+        group_score=kwargs.get("group_score", "top2_sum"),
     )
 
 
@@ -83,7 +84,7 @@ def _reference(logits: torch.Tensor, args: _checks.RouteArgs, bias, nv) -> tuple
     return route_reference(
         logits, args.top_k, scoring=args.scoring, renormalize=args.renormalize, bias=bias,
         n_group=args.n_group, topk_group=args.topk_group,
-        routed_scaling_factor=args.routed_scaling_factor, num_valid=nv,
+        routed_scaling_factor=args.routed_scaling_factor, group_score=args.group_score, num_valid=nv,
     )
 
 
@@ -139,7 +140,8 @@ def _near_tie_rows(logits, top_k, rows: torch.Tensor, **kw) -> torch.Tensor:
     if kw.get("n_group"):
         n_group, topk_group = kw["n_group"], kw["topk_group"]
         groups = select.view(len(rows), n_group, select.shape[1] // n_group)
-        group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
+        best = 1 if kw.get("group_score") == "max" else 2
+        group_scores = groups.topk(min(best, groups.shape[-1]), dim=-1).values.sum(-1)
         near |= near_tie(group_scores, topk_group)
         kept = torch.zeros_like(group_scores, dtype=torch.bool)
         kept.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
@@ -207,6 +209,12 @@ def test_matches_reference_every_mode(device, num_experts, top_k, n_group, topk_
         modes.append({"scoring": "sigmoid", "bias": bias, "n_group": n_group, "topk_group": topk_group})
         if num_experts <= 160:
             modes.append({"scoring": "softmax", "n_group": n_group, "topk_group": topk_group})
+            # DeepSeek-V2's group_limited_greedy: a group scores its best expert.
+            modes.append({"scoring": "softmax", "n_group": n_group, "topk_group": topk_group,
+                          "group_score": "max", "renormalize": False, "routed_scaling_factor": 16.0})
+        if num_experts <= 64:
+            modes.append({"scoring": "sigmoid", "bias": bias, "n_group": n_group, "topk_group": topk_group,
+                          "group_score": "max"})
     for mode in modes:
         _assert_matches(logits, top_k, f"E={num_experts} K={top_k} {dtype} {mode}", **mode)
 
@@ -239,6 +247,12 @@ def test_bias_ties_and_extremes(device):
     _assert_matches(flat, top_k, "all-equal sigmoid", scoring="sigmoid", bias=zero_bias)
     # Groups whose scores tie: the lower group index wins.
     _assert_matches(flat, top_k, "tied groups", scoring="sigmoid", n_group=4, topk_group=2, bias=zero_bias)
+    _assert_matches(flat, top_k, "tied group maxima", n_group=4, topk_group=2, group_score="max")
+    # Group maxima tied but the top-2 sums not (and back): each rule keeps its own groups.
+    row = torch.tensor([[3.0, 3.0, 0.0, 0.0, 3.0, -1.0, 0.0, 0.0, 2.9, 2.9, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]])
+    for group_score in ("top2_sum", "max"):
+        _assert_matches(row.to(device), 2, f"{group_score} groups", n_group=4, topk_group=1,
+                        group_score=group_score)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -384,6 +398,8 @@ def test_grid_matches_reference(num_experts, top_k, n_group, topk_group, dtype):
         if n_group is not None:
             modes.append({"scoring": "sigmoid", "bias": bias, "n_group": n_group, "topk_group": topk_group})
             modes.append({"scoring": "softmax", "n_group": n_group, "topk_group": topk_group})
+            modes.append({"scoring": "softmax", "n_group": n_group, "topk_group": topk_group,
+                          "group_score": "max", "renormalize": False})
     for mode in modes:
         _check(logits, top_k, f"E={num_experts} {dtype} {mode}", **mode)
     nv = torch.tensor(20, device="cuda")
@@ -396,6 +412,7 @@ def test_grid_matches_reference(num_experts, top_k, n_group, topk_group, dtype):
     (256, 8, {"scoring": "sigmoid", "n_group": 8, "topk_group": 4}),
     (8, 2, {}),
     (160, 6, {"n_group": 8, "topk_group": 3}),
+    (160, 6, {"n_group": 8, "topk_group": 3, "group_score": "max", "renormalize": False}),
 ])
 def test_every_config_agrees(num_experts, top_k, mode):
     """The configs the bench sweeps (rows per program, warps) all compute the same as the

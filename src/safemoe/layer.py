@@ -8,6 +8,9 @@ Data path of one forward, x [T, H] (leading dimensions are flattened into T):
     out = safemoe::experts(x, w13, w2, weights, ids)
     out += shared_expert(x) (* sigmoid(shared_expert_gate(x)))   # optional, padded rows zeroed
 
+With `input_weighted` (Llama 4) the weight scales the expert's input instead: out = sum over k of
+experts(x * weights[:, k], ids[:, k], weight 1), one experts call per k.
+
 Rows at or past `num_valid` are never read by the routed path and come out as exact zeros; the
 optional shared expert is a dense MLP that does see them, so its padded rows are zeroed
 (`safemoe::zero_padding_`) before the sum. Nothing here synchronises with the host, so a forward
@@ -192,7 +195,7 @@ def moe(
     """`route(router_logits, top_k, bias=bias)` then `experts(x, w13, w2, routing)`.
 
     top_k: K, or a whole `RouteConfig`; with K, the routing options as keywords (scoring,
-        renormalize, n_group, topk_group, routed_scaling_factor).
+        renormalize, n_group, topk_group, routed_scaling_factor, group_score).
     workspace, w13_scale, w2_scale: as in `safemoe.experts` (fp8 weights with their scales).
     Every argument is checked before any kernel launches.
     """
@@ -224,7 +227,7 @@ class MoE(nn.Module):
     """A Mixture-of-Experts layer that keeps the safemoe contract (see the module docstring).
 
     top_k: K, or a whole `RouteConfig`; with K, its options as keywords (scoring,
-        renormalize, n_group, topk_group, routed_scaling_factor); `self.route_config` holds it.
+        renormalize, n_group, topk_group, routed_scaling_factor, group_score); `self.route_config` holds it.
     Parameters: `gate.weight` [E, H] (+ `gate.bias` [E] with router_bias), `w13` [E, 2I, H] (gate
     rows then up rows), `w2` [E, H, I]; with `expert_bias` the folded `w13` [E, 2I, Hf] / `w2`
     [E, Hf, I] and `w2_bias` [E, H]; with `shared_intermediate_size` a `shared_expert` (GatedMLP,
@@ -232,6 +235,9 @@ class MoE(nn.Module):
     sigmoid gate Linear(H, 1). After `quantize_(mode)`: float8_e4m3fn `w13` / `w2` and float32
     buffers `w13_scale` / `w2_scale` (see `safemoe.quantize_experts`).
 
+    input_weighted: the routing weight scales the expert's input instead of its output (Llama 4:
+        out = sum over k of expert_k(x * w_k), x * w_k rounded to x's dtype as the model does;
+        for a gated MLP this differs from w_k * expert_k(x)). Runs the experts once per k.
     local_experts: how many experts this layer holds (expert parallelism: E / world size, see
         `safemoe.distributed.EPMoE`); None: all E.
     workspace: a `safemoe.Workspace` shared by every layer (scratch is allocated once); an fp8
@@ -255,6 +261,7 @@ class MoE(nn.Module):
         shared_intermediate_size: int | None = None,
         shared_expert_gate: bool = False,
         shared_activation: str = "silu",
+        input_weighted: bool = False,
         local_experts: int | None = None,
         workspace: Workspace | None = None,
         health: Health | torch.Tensor | None = None,
@@ -275,6 +282,10 @@ class MoE(nn.Module):
         self.route_config = config
         self.activation = activation
         self.expert_bias = expert_bias
+        if input_weighted and expert_bias:
+            raise ValueError("input_weighted=True with expert_bias=True: no model routes that way (Llama 4 "
+                             "has no expert biases)")
+        self.input_weighted = input_weighted
         self.backend = _checks.check_backend(backend)
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.gate = Gate(
@@ -436,7 +447,10 @@ class MoE(nn.Module):
         weights, ids = self.gate(x2, nv)  # [T, K] f32, [T, K] i32
 
         x_in = self._fold_input(x2) if self.expert_bias else x2
-        out = self._experts(x_in, weights, ids, nv)  # [T, H] (or [T, Hf] folded)
+        if self.input_weighted:
+            out = self._input_weighted_experts(x_in, weights, ids, nv)
+        else:
+            out = self._experts(x_in, weights, ids, nv)  # [T, H] (or [T, Hf] folded)
         if self.expert_bias:
             out = self._add_down_bias(out[:, : self.hidden_size], weights, ids)
 
@@ -480,6 +494,19 @@ class MoE(nn.Module):
         return ops.experts(x, self.w13, self.w2, weights, ids, activation=self.activation, num_valid=nv,
                            backend=_resolve(self.backend, x.device), health=self._health,
                            workspace=self._workspace, fp8=self._fp8())
+
+    def _input_weighted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                                nv: NumValid) -> torch.Tensor:
+        """sum over k of expert_{ids[:, k]}(x * weights[:, k]): one experts call per k, each with
+        weight 1 (padded rows: ids -1, never read; x * 0 there may be NaN, unread too)."""
+        ones = torch.ones_like(weights[:, :1])
+        out: torch.Tensor | None = None
+        for k in range(weights.shape[1]):
+            scaled = x * weights[:, k : k + 1].to(x.dtype)  # Llama 4 scales its input in the model dtype
+            part = self._experts(scaled, ones, ids[:, k : k + 1].contiguous(), nv)
+            out = part if out is None else out + part
+        assert out is not None
+        return out
 
     def _fold_input(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, Hf]: x, then a 1.0 column that multiplies the folded gate/up bias."""

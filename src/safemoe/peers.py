@@ -69,10 +69,11 @@ def torch_route(
 
     softmax (Qwen3-MoE, Mixtral): p = softmax(fp32 logits); top-k of p; optionally divide by the
     K-sum. sigmoid (DeepSeek-V3): s = sigmoid(fp32 logits); selection scores s + bias; with groups,
-    a group scores the sum of its top-2, the best topk_group groups are kept (others -inf), top-k
-    among them; weights are the unbiased s, divided by (sum + 1e-20) when renormalising. Weights
-    are finally scaled. `nan_to_num` runs torch.nan_to_num on the logits first (NaN -> 0, +-Inf ->
-    the dtype's finite extremes), the common patch against NaN rows.
+    a group scores the sum of its top-2 (its max with group_score="max"), the best topk_group
+    groups are kept (others -inf), top-k among them; weights are the unbiased s, divided by
+    (sum + 1e-20) when renormalising. Weights are finally scaled. `nan_to_num` runs
+    torch.nan_to_num on the logits first (NaN -> 0, +-Inf -> the dtype's finite extremes), the
+    common patch against NaN rows.
     """
     return _torch_route(logits, RouteConfig.of(config, options), bias, nan_to_num)
 
@@ -94,7 +95,8 @@ def _torch_route(
         assert n_group is not None and topk_group is not None
         group_size = num_experts // n_group
         grouped = select.view(num_tokens, n_group, group_size)
-        group_scores = grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1)  # [T, n_group]
+        best = 1 if config.group_score == "max" else 2  # DeepSeek-V2 scores a group by its max
+        group_scores = grouped.topk(min(best, group_size), dim=-1).values.sum(dim=-1)  # [T, n_group]
         group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
         expert_mask = (

@@ -81,13 +81,15 @@ def route_reference(
     select = select.clamp(-FLT_MAX, FLT_MAX)  # FLT_MAX + 1 is still finite; keep it so
 
     # 3. Group-limited selection: a group's score is the sum of its two best selection scores
-    #    (its one score if groups have a single expert); keep the best topk_group groups, mask the
-    #    others with -inf (never 0: a 0 can outrank real negative scores).
+    #    (its one score if groups have a single expert), or its best one (group_score="max");
+    #    keep the best topk_group groups, mask the others with -inf (never 0: a 0 can outrank real
+    #    negative scores).
     eligible = torch.ones_like(select, dtype=torch.bool)
     if n_group is not None and topk_group is not None:
         group_size = num_experts // n_group
         grouped = select.view(num_tokens, n_group, group_size)
-        best_two = torch.sort(grouped, dim=-1, descending=True).values[..., : min(2, group_size)]
+        best = 1 if config.group_score == "max" else 2
+        best_two = torch.sort(grouped, dim=-1, descending=True).values[..., : min(best, group_size)]
         group_score = best_two.sum(dim=-1)  # [T, n_group], finite or +-inf, never NaN
         kept_groups = topk_lowest_index(group_score, topk_group)  # [T, topk_group]
         group_mask = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=device)

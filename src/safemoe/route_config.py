@@ -16,6 +16,9 @@ from typing import Any
 from safemoe.numerics import FLT_MAX
 
 SCORINGS = ("softmax", "sigmoid")
+# How a group of experts is scored for group-limited routing: the sum of its two best selection
+# scores (DeepSeek-V3 and its followers) or its best one (DeepSeek-V2's group_limited_greedy).
+GROUP_SCORES = ("top2_sum", "max")
 
 # Field type -> torch.library schema type, for the op schema generated from the fields.
 _SCHEMA_TYPES = {"int": "SymInt", "str": "str", "bool": "bool", "int | None": "SymInt?", "float": "float"}
@@ -35,6 +38,9 @@ class RouteConfig:
     n_group / topk_group: group-limited routing (DeepSeek-V3): keep the best `topk_group` of
         `n_group` expert groups (a group's score is the sum of its two best selection scores).
     routed_scaling_factor: final multiplier of the weights (finite, >= 0).
+    group_score: how a group is scored with n_group set: "top2_sum" (the sum of its two best
+        selection scores, its one score in a single-expert group; DeepSeek-V3) or "max" (its best
+        selection score; DeepSeek-V2).
     """
 
     top_k: int
@@ -43,6 +49,7 @@ class RouteConfig:
     n_group: int | None = None
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
+    group_score: str = "top2_sum"
 
     def __post_init__(self) -> None:
         if not _is_int(self.top_k):
@@ -75,6 +82,12 @@ class RouteConfig:
                 f"routed_scaling_factor must be finite, >= 0 and within float32 range, got {scale}"
             )
         object.__setattr__(self, "routed_scaling_factor", float(scale))
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if self.group_score != "top2_sum" and n_group is None:
+            raise ValueError(
+                f"group_score={self.group_score!r} scores groups: it needs n_group and topk_group"
+            )
 
     @property
     def grouped(self) -> bool:

@@ -47,7 +47,7 @@ def route(
     """Pick experts per token from router `logits` [T, E] (bf16, fp16 or fp32).
 
     top_k: K, or a whole `RouteConfig` (top_k, scoring, renormalize, n_group, topk_group,
-        routed_scaling_factor), or top_k with those options as keywords
+        routed_scaling_factor, group_score), or top_k with those options as keywords
         (`route(logits, 8, scoring="sigmoid")` is `route(logits, RouteConfig(8, scoring="sigmoid"))`).
     bias: [E] selection bias (DeepSeek-V3's e_score_correction_bias): added for selection only.
     num_valid: rows at or past it are padding (int, or 0-dim int tensor on the logits' device).

@@ -111,7 +111,8 @@ def clear_rows(
     if n_group is not None and topk_group is not None:
         group_size = num_experts // n_group
         grouped = select.view(num_rows, n_group, group_size)
-        group_score = grouped.sort(dim=-1, descending=True).values[..., : min(2, group_size)].sum(-1)
+        best = 1 if config.group_score == "max" else 2
+        group_score = grouped.sort(dim=-1, descending=True).values[..., : min(best, group_size)].sum(-1)
         ordered_groups = group_score.sort(dim=-1, descending=True).values
         if topk_group < n_group:
             set_unclear |= _near(ordered_groups[:, topk_group - 1], ordered_groups[:, topk_group], exact_ties)

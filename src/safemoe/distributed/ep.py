@@ -425,6 +425,7 @@ class EPMoE(MoE):
             selection_bias=gate.selection_bias is not None,
             router_logits_fp32=gate.logits_fp32,
             expert_bias=moe.expert_bias,
+            input_weighted=moe.input_weighted,
             health=health,
             backend=moe.backend if backend is None else backend,
             dtype=gate.weight.dtype,

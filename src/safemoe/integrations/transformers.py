@@ -4,24 +4,99 @@
     safemoe.integrations.transformers.patch(model)            # in place; returns the model
     safemoe.integrations.transformers.set_num_valid(model, n) # padded batches: rows >= n are padding
 
-Supported blocks (transformers 5.17 and 5.23 store experts fused the same way):
+Supported blocks: each one's routing as its transformers modeling file computes it (5.17 and 5.23;
+where they differ, both layouts), with safemoe's sanitising, total order and padding contract.
+Routing kinds:
+- softmax-topk: softmax over the E logits in fp32, top-k, renormalised when norm_topk_prob
+  (always where the router has no such flag);
+- topk-softmax: top-k of the logits, softmax over those k (= softmax over E, renormalised);
+- deepseek: fp32 logits, sigmoid, + selection bias (e_score_correction_bias) for selection only,
+  groups (a group scores the sum of its top two), renorm = norm_topk_prob, routed_scaling_factor.
 
 | family | block class | routing | extras |
 |---|---|---|---|
-| Qwen3-MoE | `Qwen3MoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob | |
-| Qwen2-MoE | `Qwen2MoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob | shared expert + gate |
-| Mixtral | `MixtralSparseMoeBlock` | softmax, renormalize | |
-| OLMoE | `OlmoeSparseMoeBlock` | softmax, renormalize = norm_topk_prob | |
-| DeepSeek-V3 | `DeepseekV3MoE` | sigmoid + selection bias, groups, scaling, fp32 logits | shared experts |
-| gpt-oss | `GptOssMLP` | router bias, softmax of the top-k logits (renormalized) | swigluoai, biases |
+| Qwen3-MoE | `Qwen3MoeSparseMoeBlock` | softmax-topk | |
+| Qwen2-MoE | `Qwen2MoeSparseMoeBlock` | softmax-topk | shared expert, sigmoid gate |
+| Qwen3-Next | `Qwen3NextSparseMoeBlock` | softmax-topk | shared expert, sigmoid gate |
+| Qwen3.5-MoE | `Qwen3_5MoeSparseMoeBlock` | softmax-topk (always renorm) | shared expert, sigmoid gate |
+| Qwen3-VL-MoE | `Qwen3VLMoeTextSparseMoeBlock` | softmax-topk (always renorm) | |
+| Qwen3-Omni | `Qwen3OmniMoeThinkerTextSparseMoeBlock` | softmax-topk | |
+| Qwen3-Omni | `Qwen3OmniMoeTalkerTextSparseMoeBlock` | softmax-topk | shared expert, sigmoid gate |
+| Mixtral | `MixtralSparseMoeBlock` | softmax-topk (always renorm) | |
+| MiniMax-01 | `MiniMaxSparseMoeBlock` | softmax-topk (always renorm) | |
+| OLMoE | `OlmoeSparseMoeBlock` | softmax-topk | |
+| FlexOlmo | `FlexOlmoSparseMoeBlock` | softmax-topk | |
+| Mellum | `MellumSparseMoeBlock` | softmax-topk | |
+| Qwen4-Exp | `Qwen4ExpTextSparseMoeBlock` | softmax-topk | shared expert, sigmoid gate |
+| Hunyuan-A13B | `HunYuanMoEV1Moe` | softmax-topk (always renorm; fp32 logits if `wg` is fp32) | shared MLP |
+| ERNIE-4.5 | `Ernie4_5_MoeSparseMoeBlock` | softmax-topk, fp32 logits, selection bias (*) | shared experts |
+| Jamba | `JambaSparseMoeBlock` | softmax-topk, no renorm | |
+| DBRX | `DbrxFFN` | softmax-topk, renorm iff p-norm p = 1 (None: none) | experts copied |
+| Granite-MoE | `GraniteMoeMoE`, `GraniteMoeSharedMoE` | topk-softmax | |
+| Granite-4 | `GraniteMoeHybridMoE`, `GraniteMoeSWAMoE` | topk-softmax | |
+| JetMoE | `JetMoeMoE` | topk-softmax | output bias |
+| Aria | `AriaTextMoELayer` | topk-softmax | shared experts; experts copied |
+| Cohere2-MoE | `Cohere2MoeSparseMoeBlock` | topk-softmax, or sigmoid (renorm flag) | shared, sum or average |
+| DeepSeek-V3, Kimi-K2 | `DeepseekV3MoE` | deepseek | shared experts |
+| DeepSeek-V3.2 | `DeepseekV32MoE` | deepseek | shared experts |
+| GLM-4.5, 4.6, 4.7 | `Glm4MoeMoE` | deepseek | shared experts |
+| GLM-4.7-Flash | `Glm4MoeLiteMoE` | deepseek | shared experts |
+| GLM-4.5V | `Glm4vMoeTextMoE` | deepseek | shared experts |
+| GLM-5 | `GlmMoeDsaMoE` | deepseek | shared experts |
+| dots.llm1 | `Dots1MoE` | deepseek | shared experts |
+| EXAONE-MoE | `ExaoneMoeSparseMoEBlock` | deepseek | shared experts |
+| Kimi-Linear | `KimiLinearMoE` | deepseek | shared experts |
+| Solar-Open | `SolarOpenMoE` | deepseek | shared experts |
+| MiMo-V2-Flash | `MiMoV2FlashMoE` | deepseek | |
+| Ling hybrid | `BailingHybridMoE` | deepseek | shared experts |
+| dots3 | `Dots3NoteTextMoE` | deepseek | shared experts |
+| Beam | `BeamMoE` | deepseek (scaling on the block output) | |
+| Mistral-4 | `Mistral4MoE`, `MistralLarge4TextMoE` | softmax, groups, renorm, scaling (**) | shared experts |
+| DeepSeek-V2 | `DeepseekV2Moe` | fp32 logits, softmax, [groups by max (**)], scaling | shared experts |
+| DeepSeek-OCR-2 | `DeepseekOcr2TextMoe`, `UnlimitedOcrTextMoe` | as DeepSeek-V2 | shared experts |
+| MiniMax-M2 | `MiniMaxM2SparseMoeBlock` | sigmoid + selection bias, renorm | |
+| AFMoE | `AfmoeSparseMoeBlock` | sigmoid + selection bias, renorm, route_scale | shared experts |
+| LFM2-MoE | `Lfm2MoeSparseMoeBlock` | sigmoid (+ selection bias), renorm (***), scaling | |
+| HY-V3 | `HYV3MoE` | fp32 logits, sigmoid + selection bias, renorm, scaling | shared experts |
+| MiniMax-M3 | `MiniMaxM3VLSparseMoeBlock` | sigmoid + selection bias, renorm, scaling | swigluoai, shared |
+| Laguna | `LagunaSparseMoeBlock` | sigmoid + selection bias, renorm, scaling (no softcap) | shared experts |
+| Flint | `FlintSparseMoeBlock` | fp32 logits, sigmoid, renorm = norm_topk_prob | shared expert |
+| Llama 4 | `Llama4TextMoe` | sigmoid of the top-k logits, on the expert input (****) | shared expert |
+| gpt-oss | `GptOssMLP` | router bias, topk-softmax | swigluoai, biases |
+
+(*) ERNIE floors the renormalising sum at moe_norm_min (1e-12): different only when the k picked
+probabilities sum below it. (**) The stock router masks dropped groups with 0.0, not -inf: the
+same picks while the kept experts' probabilities are > 0. DeepSeek-V2's group_limited_greedy
+scores a group by its best expert (`RouteConfig.group_score="max"`); its "greedy" is plain
+top-k. (***) LFM2 divides by sum + 1e-6: its weights are within 1e-6 relative of safemoe's.
+DeepSeek-style routers add 1e-20 to the sum (below fp32 resolution). (****) Llama 4 multiplies
+the expert's input by the weight (`MoE(input_weighted=True)`: out = shared(x) + sum over k of
+expert_k(x * w_k), in the model's dtype as the model does), which for a gated MLP is not the
+output-weighted sum; top-1 in the released models, any k here. Selection on the sigmoid scores,
+where the stock router and Cohere2's sigmoid mode compare the logits, differs only when logits
+above ~16.6 saturate to 1.0 in fp32 (then the lower index wins). Everywhere, ties (exactly equal
+scores) go to the lowest expert index, where torch.topk promises no order.
+
+Not supported (patch raises, naming the class): Phi-3.5-MoE (`PhimoeSparseMoeBlock`: sparsemixer
+routing, a second pick masked by a threshold relative to the first), NLLB-MoE and Switch
+Transformers (capacity-limited routing that drops tokens, encoder-decoder), LongCat-Flash
+(zero-computation identity experts), NemotronH (non-gated relu^2 experts and a latent
+projection), Gemma-4 (router RMSNorm and per-expert output scales), Laguna with tanh softcapping
+of the logits, Kolibri (selection bias on the logits, not the scores), AXK1 / AXK2 (a norm after
+the block; groups masked with 0.0 under a signed bias), GLM-5-Next, HY-V4, Step-3.7 (clamped
+SwiGLU on some layers), Inkling (clamped or softcapped SwiGLU variants safemoe's experts do not
+have), Muse-Spark (a logit multiplier, projections and a norm around the experts), DeepSeek-V4
+(hash routing), Zaya (an MLP router), Doge (product-key experts), JetMoE's attention experts
+(`JetMoeMoA`, not an MLP).
 
 Weights: the router weight, `gate_up_proj` [E, 2I, H] (gate rows then up rows, exactly safemoe's
-w13) and `down_proj` [E, H, I] (safemoe's w2) are reused as the same Parameter objects, no copy;
-shared experts are the model's own modules. gpt-oss stores `gate_up_proj` transposed
-[E, H, 2I] with gate and up interleaved column by column, and `down_proj` transposed: those are
-de-interleaved and transposed once, at patch time (a copy of the expert weights; the original
-tensors are released with the old block), and the gate/up bias is folded into w13 (see
-`safemoe.layer`).
+w13) and `down_proj` [E, H, I] (safemoe's w2) are reused as the same Parameter objects, no copy
+(JetMoE's `input_linear` / `output_linear` too); shared experts are the model's own modules.
+gpt-oss stores `gate_up_proj` transposed [E, H, 2I] with gate and up interleaved column by
+column, and `down_proj` transposed: those are de-interleaved and transposed once, at patch time (a
+copy of the expert weights; the original tensors are released with the old block), and the
+gate/up bias is folded into w13 (see `safemoe.layer`). DBRX ([E * I, H] w1 / v1 / w2) and Aria
+([E, H, 2I] / [E, I, H]) are likewise copied once into safemoe's layout.
 
 Padding: every patched block reads the model's shared `num_valid` (None, an int or a 0-dim device
 tensor) set with `set_num_valid`; rows of the flattened [batch * seq] tokens at or past it are
@@ -29,8 +104,8 @@ padding (the MoE never reads them and writes zeros there). For a CUDA graph, set
 graph's device scalar before capture.
 
 Not carried over: `output_router_logits` (the router-logit recorder hooks the model's router
-class, which is gone) and gpt-oss's second output (router scores, which its decoder layer discards)
-is None. Inference only: safemoe's ops have no backward.
+class, which is gone) and the second output of gpt-oss's and Llama 4's blocks (router scores or
+logits, which their decoder layers discard) is None. Inference only: safemoe's ops have no backward.
 """
 
 from __future__ import annotations
@@ -39,6 +114,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from safemoe import _checks
@@ -52,6 +128,11 @@ from safemoe.workspace import Workspace
 
 # transformers' hidden_act names -> safemoe activations (the gated form: act(gate) * up).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
+# The classes (and functions) transformers' ACT2FN gives for those names, across versions.
+_ACTIVATION_CLASSES = {
+    "SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu", "PytorchGELUTanh": "gelu",
+    "NewGELUActivation": "gelu",
+}  # fmt: skip
 
 
 @dataclass
@@ -83,14 +164,41 @@ class SafeMoEBlock(nn.Module):
         return f"replaces={self.source_class}"
 
 
-def _activation(module: Any, where: str) -> str:
-    config = getattr(module, "config", None)
-    name = getattr(config, "hidden_act", "silu")
-    if name not in _ACTIVATIONS:
+def _activation(fn: Any, where: str, config: Any = None) -> str:
+    """The safemoe activation of an expert activation `fn` (an ACT2FN module, F.silu, or None:
+    then `config.hidden_act`, default silu). Raises ValueError for one safemoe has not got."""
+    if fn is None:
+        name = getattr(config, "hidden_act", "silu")
+        if name not in _ACTIVATIONS:
+            raise ValueError(
+                f"{where}: hidden_act={name!r} has no safemoe activation (supported: {sorted(_ACTIVATIONS)})"
+            )
+        return _ACTIVATIONS[name]
+    if fn is F.silu:
+        return "silu"
+    name = type(fn).__name__
+    if name not in _ACTIVATION_CLASSES:
         raise ValueError(
-            f"{where}: hidden_act={name!r} has no safemoe activation (supported: {sorted(_ACTIVATIONS)})"
+            f"{where}: the expert activation {name} has no safemoe activation (supported: silu, gelu with "
+            "the tanh approximation)"
         )
-    return _ACTIVATIONS[name]
+    return _ACTIVATION_CLASSES[name]
+
+
+def _experts_activation(experts: Any, where: str, block: Any = None) -> str:
+    fn = getattr(experts, "act_fn", None)
+    config = getattr(experts, "config", None) or getattr(block, "config", None)
+    return _activation(fn, where, config)
+
+
+def _need(obj: Any, name: str, where: str) -> Any:
+    """obj.name, or a ValueError saying this transformers version lays the block out otherwise."""
+    value = getattr(obj, name, None)
+    if value is None:
+        raise ValueError(
+            f"{where}: {type(obj).__name__} has no {name!r} (a layout of this block safemoe does not know)"
+        )
+    return value
 
 
 def _adopt(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -107,65 +215,374 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else nn.Parameter(t.detach().contiguous(), requires_grad=False)
 
 
-def _build_standard(block: Any, router: Any, experts: Any, config: RouteConfig, *, where: str,
-                    **layer_flags: Any) -> MoE:
-    """A MoE over the fused [E, 2I, H] / [E, H, I] experts most v5 models share."""
-    w13, w2 = experts.gate_up_proj, experts.down_proj
+def _fused_experts(experts: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) of the fused layout most v5 models share: `gate_up_proj`
+    (gate rows, then up rows) and `down_proj`, as they are (no copy)."""
+    return _need(experts, "gate_up_proj", where), _need(experts, "down_proj", where)
+
+
+def _make_moe(where: str, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              config: RouteConfig, activation: str, **layer_flags: Any) -> MoE:
+    """A MoE holding `router_weight` [E, H], `w13` [E, 2I, H] and `w2` [E, H, I] (adopted: the
+    same storage where they are contiguous)."""
     num_experts, two_inter, hidden = w13.shape
-    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2) or two_inter % 2:
         raise ValueError(f"{where}: unexpected expert layout {tuple(w13.shape)=} {tuple(w2.shape)=}")
-    moe = MoE(
-        hidden,
-        two_inter // 2,
-        num_experts,
-        config,
-        activation=_activation(experts, where),
-        dtype=w13.dtype,
-        device="meta",
-        **layer_flags,
-    )
-    _adopt(moe.gate, "weight", router.weight)
+    if tuple(router_weight.shape) != (num_experts, hidden):
+        raise ValueError(
+            f"{where}: router weight {tuple(router_weight.shape)} does not match E={num_experts}, H={hidden}"
+        )
+    moe = MoE(hidden, two_inter // 2, num_experts, config, activation=activation, dtype=w13.dtype,
+              device="meta", **layer_flags)
+    _adopt(moe.gate, "weight", router_weight)
     _adopt(moe, "w13", _contiguous(w13))
     _adopt(moe, "w2", _contiguous(w2))
     return moe
 
 
-def _qwen3(block: Any, where: str) -> MoE:
-    config = RouteConfig(int(block.gate.top_k), renormalize=bool(block.gate.norm_topk_prob))
-    return _build_standard(block, block.gate, block.experts, config, where=where)
+def _standard(block: Any, router: Any, config: RouteConfig, where: str, **layer_flags: Any) -> MoE:
+    """A MoE over `block.experts` in the fused layout with `router.weight` as its gate."""
+    w13, w2 = _fused_experts(block.experts, where)
+    return _make_moe(where, _need(router, "weight", where), w13, w2, config,
+                     _experts_activation(block.experts, where, block), **layer_flags)
 
 
-def _olmoe(block: Any, where: str) -> MoE:
-    return _qwen3(block, where)
+def _renormalize(router: Any) -> bool:
+    """norm_topk_prob where the router has it; routers without it (Mixtral, Qwen3.5, Qwen3-VL)
+    renormalise unconditionally."""
+    return bool(getattr(router, "norm_topk_prob", True))
 
 
-def _mixtral(block: Any, where: str) -> MoE:
-    config = RouteConfig(int(block.gate.top_k), renormalize=True)
-    return _build_standard(block, block.gate, block.experts, config, where=where)
+class _Scaled(nn.Module):
+    """module(x) * factor (Cohere2-MoE's "average": (routed + shared) / 2)."""
+
+    def __init__(self, module: nn.Module, factor: float) -> None:
+        super().__init__()
+        self.module, self.factor = module, factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x) * self.factor
 
 
-def _qwen2(block: Any, where: str) -> MoE:
-    moe = _qwen3(block, where)
-    moe.shared_expert = block.shared_expert
-    moe.shared_expert_gate = block.shared_expert_gate
+class _RowBias(nn.Module):
+    """The output bias [H] every row gets (JetMoE), as a "shared expert" so that padded rows
+    stay zero (MoE zeroes its shared expert's padded rows)."""
+
+    def __init__(self, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bias.to(x.dtype).expand_as(x).clone()
+
+
+# -- softmax over E, top-k, optional renormalisation ---------------------------------------------
+
+
+def _softmax_topk(block: Any, where: str) -> MoE:
+    """Qwen2/3-MoE, Qwen3-Next, Qwen3.5, Qwen3-VL, Qwen3-Omni, OLMoE, FlexOlmo, Mixtral, MiniMax:
+    softmax over E in fp32, top-k, renormalised (norm_topk_prob); a Qwen2-style shared expert
+    with its sigmoid gate where the block has one."""
+    router = block.gate
+    moe = _standard(block, router, RouteConfig(int(router.top_k), renormalize=_renormalize(router)), where)
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        moe.shared_expert = shared
+        moe.shared_expert_gate = getattr(block, "shared_expert_gate", None)
     return moe
 
 
-def _deepseek_v3(block: Any, where: str) -> MoE:
+def _hunyuan(block: Any, where: str) -> MoE:
+    """Hunyuan-MoE: `gate.wg` (fp32 logits when wg is fp32), softmax, top-k, renormalised; a
+    shared MLP on every token, ungated."""
     router = block.gate
+    wg = _need(router, "wg", where)
+    moe = _standard(block, wg, RouteConfig(int(router.top_k), renormalize=True), where,
+                    router_logits_fp32=wg.weight.dtype == torch.float32)
+    moe.shared_expert = _need(block, "shared_mlp", where)
+    return moe
+
+
+def _ernie(block: Any, where: str) -> MoE:
+    """ERNIE-4.5-MoE: fp32 logits, softmax, selection bias (moe_statics.e_score_correction_bias,
+    [1, E]), renormalised (stock floors the sum at moe_norm_min = 1e-12: it only differs when the
+    K picked probabilities sum below that); optional shared experts."""
+    router = block.gate
+    bias = _need(_need(router, "moe_statics", where), "e_score_correction_bias", where)
+    if bias.dim() != 2 or bias.shape[0] != 1:
+        raise ValueError(f"{where}: e_score_correction_bias of shape {tuple(bias.shape)}; expected [1, E] "
+                         "(one expert group)")
+    moe = _standard(block, router, RouteConfig(int(router.top_k), renormalize=True), where,
+                    selection_bias=True, router_logits_fp32=True)
+    _adopt(moe.gate, "selection_bias", bias.view(-1))
+    moe.shared_expert = getattr(block, "shared_experts", None)
+    return moe
+
+
+def _jamba(block: Any, where: str) -> MoE:
+    """Jamba: softmax over E, top-k, not renormalised. transformers 5.17's router is an
+    nn.Linear with top_k on the block; 5.23's a router module with its own top_k."""
+    router = block.router
+    top_k = int(getattr(router, "top_k", None) or _need(block, "top_k", where))
+    return _standard(block, router, RouteConfig(top_k, renormalize=False), where)
+
+
+def _dbrx(block: Any, where: str) -> MoE:
+    """DBRX (DbrxFFN): softmax over E, top-k, divided by their p-norm (p =
+    moe_normalize_expert_weights: 1 is renormalisation, None none; other p: unsupported). The
+    experts are stored [E * I, H] (w1 gate, v1 up, w2 down transposed): copied once into w13/w2."""
+    p = getattr(block, "moe_normalize_expert_weights", None)
+    if p is not None and float(p) != 1.0:
+        raise ValueError(f"{where}: moe_normalize_expert_weights={p}: safemoe renormalises with p=1 only")
+    mlp = _need(block.experts, "mlp", where)
+    w1, v1, w2 = _need(mlp, "w1", where), _need(mlp, "v1", where), _need(mlp, "w2", where)
+    layer = _need(block.router, "layer", where)
+    num_experts, hidden = layer.weight.shape
+    inter = w1.shape[0] // num_experts
+    with torch.no_grad():
+        w13 = torch.cat([w1.view(num_experts, inter, hidden), v1.view(num_experts, inter, hidden)], dim=1)
+        w2t = w2.view(num_experts, inter, hidden).transpose(1, 2).contiguous()  # [E, H, I]
+    config = RouteConfig(int(_need(block, "top_k", where)), renormalize=p is not None)
+    return _make_moe(where, layer.weight, w13, w2t, config,
+                     _activation(getattr(mlp, "activation_fn", None), where))
+
+
+# -- top-k of the logits, softmax over those k (== softmax over E, renormalised) -----------------
+
+
+def _topk_softmax(block: Any, where: str) -> MoE:
+    """GraniteMoe (and its Shared / Hybrid / SWA variants), JetMoE: top-k of the logits, softmax
+    over those k logits, which is softmax over E renormalised over the k. Experts fused
+    (`experts`) or, in JetMoE, as `input_linear` [E, 2I, H] / `output_linear` [E, H, I] plus an
+    output bias [H] on every row."""
+    router = block.router
+    weight = getattr(router, "weight", None)
+    if weight is None:
+        weight = _need(router, "layer", where).weight
+    config = RouteConfig(int(router.top_k), renormalize=True)
+    if getattr(block, "experts", None) is not None:
+        w13, w2 = _fused_experts(block.experts, where)
+        return _make_moe(where, weight, w13, w2, config, _experts_activation(block.experts, where, block))
+    w13 = _need(_need(block, "input_linear", where), "weight", where)
+    w2 = _need(_need(block, "output_linear", where), "weight", where)
+    moe = _make_moe(where, weight, w13, w2, config, _activation(getattr(block, "activation", None), where))
+    bias = getattr(block, "bias", None)
+    if bias is not None:
+        moe.shared_expert = _RowBias(bias)
+    return moe
+
+
+def _aria(block: Any, where: str) -> MoE:
+    """Aria: top-k of the logits, softmax over them; experts stored [E, H, 2I] / [E, I, H] (5.23:
+    `gate_up_proj` / `down_proj`; 5.17: `fc1.weight` / `fc2.weight`), transposed once (a copy);
+    routed experts always SiLU; shared experts on every token."""
+    router, experts = block.router, block.experts
+    if getattr(experts, "gate_up_proj", None) is not None:
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        top_k = int(router.top_k)
+    else:
+        gate_up = _need(_need(experts, "fc1", where), "weight", where)
+        down = _need(_need(experts, "fc2", where), "weight", where)
+        top_k = int(_need(_need(experts, "config", where), "moe_topk", where))
+    with torch.no_grad():
+        w13 = gate_up.transpose(1, 2).contiguous()  # [E, 2I, H]
+        w2 = down.transpose(1, 2).contiguous()  # [E, H, I]
+    moe = _make_moe(where, router.weight, w13, w2, RouteConfig(top_k, renormalize=True), "silu")
+    moe.shared_expert = _need(block, "shared_experts", where)
+    return moe
+
+
+def _cohere2(block: Any, where: str) -> MoE:
+    """Cohere2-MoE: top-k of the logits, then softmax over those k (== renormalised softmax) or
+    sigmoid of them (renormalised when norm_topk_prob); shared experts summed, or averaged with
+    the routed output (both halved: exact in floating point)."""
+    router = block.gate
+    fn = getattr(router, "expert_selection_fn", "softmax")
+    if fn not in ("softmax", "sigmoid"):
+        raise ValueError(f"{where}: expert_selection_fn={fn!r} (softmax or sigmoid)")
+    strategy = getattr(block, "shared_expert_combination_strategy", "sum")
+    if strategy not in ("sum", "average"):
+        raise ValueError(f"{where}: shared_expert_combination_strategy={strategy!r} (sum or average)")
+    shared = getattr(block, "shared_experts", None) if getattr(block, "num_shared_experts", 0) > 0 else None
+    half = strategy == "average" and shared is not None
+    renormalize = fn == "softmax" or bool(getattr(router, "norm_topk_prob", False))
+    config = RouteConfig(int(router.top_k), scoring=fn, renormalize=renormalize,
+                         routed_scaling_factor=0.5 if half else 1.0)
+    moe = _standard(block, router, config, where)
+    if shared is not None:
+        moe.shared_expert = _Scaled(shared, 0.5) if half else shared
+    return moe
+
+
+# -- sigmoid scoring, selection bias, groups, scaling --------------------------------------------
+
+
+def _deepseek_v3(block: Any, where: str) -> MoE:
+    """DeepSeek-V3 and the families sharing its router (Kimi-K2, GLM-4.5/4.6/4.7, GLM-4.5V,
+    GLM-4.7-Flash, GLM-5, DeepSeek-V3.2, dots.llm1, dots3, EXAONE-MoE, Kimi-Linear, Ling/Bailing
+    hybrid, Solar-Open, MiMo-V2-Flash, Beam): fp32 logits, sigmoid, selection bias, group-limited
+    (sum of each group's top two), renormalised (norm_topk_prob), routed_scaling_factor (Beam's
+    block scales its output by it: the same up to rounding); shared experts where the block has
+    them."""
+    router = block.gate
+    scale = getattr(router, "routed_scaling_factor", None)  # Beam scales the block's output instead
+    if scale is None:
+        scale = _need(block, "routed_scaling_factor", where)
     config = RouteConfig(
         int(router.top_k),
         scoring="sigmoid",
         renormalize=bool(router.norm_topk_prob),
         n_group=int(router.num_group),
         topk_group=int(router.topk_group),
+        routed_scaling_factor=float(scale),
+    )
+    moe = _standard(block, router, config, where, selection_bias=True, router_logits_fp32=True)
+    _adopt(moe.gate, "selection_bias", _need(router, "e_score_correction_bias", where))
+    moe.shared_expert = getattr(block, "shared_experts", None)
+    return moe
+
+
+def _deepseek_v2(block: Any, where: str) -> MoE:
+    """DeepSeek-V2 (and DeepSeek-OCR-2's text model): fp32 logits, softmax over E, top-k, not
+    renormalised, routed_scaling_factor. topk_method "greedy": plain top-k; "group_limited_greedy":
+    a group scores its best expert (group_score="max"), the best topk_group groups kept (the
+    stock router masks the others with 0.0: the same picks while the kept experts' probabilities
+    are > 0); shared experts."""
+    router = block.gate
+    method = getattr(router, "topk_method", "greedy")
+    if method == "greedy":
+        groups: dict[str, Any] = {}
+    elif method == "group_limited_greedy":
+        groups = dict(n_group=int(router.num_group), topk_group=int(router.topk_group), group_score="max")
+    else:
+        raise ValueError(f"{where}: topk_method={method!r} (greedy or group_limited_greedy)")
+    config = RouteConfig(int(router.top_k), renormalize=False,
+                         routed_scaling_factor=float(router.routed_scaling_factor), **groups)
+    moe = _standard(block, router, config, where, router_logits_fp32=True)
+    moe.shared_expert = getattr(block, "shared_experts", None)
+    return moe
+
+
+def _mistral4(block: Any, where: str) -> MoE:
+    """Mistral-4 / Mistral-Large-3 (4): softmax over E, group-limited (sum of each group's top
+    two) with no bias, renormalised (norm_topk_prob; always in Large), routed_scaling_factor. The
+    stock router masks dropped groups with 0.0 rather than -inf: the same picks, since the kept
+    experts' probabilities are > 0 (unless one underflows to exactly 0). Large computes its
+    logits in fp32."""
+    router = block.gate
+    config = RouteConfig(
+        int(router.top_k),
+        renormalize=_renormalize(router),
+        n_group=int(router.num_group),
+        topk_group=int(router.topk_group),
         routed_scaling_factor=float(router.routed_scaling_factor),
     )
-    moe = _build_standard(
-        block, router, block.experts, config, where=where, selection_bias=True, router_logits_fp32=True
-    )
-    _adopt(moe.gate, "selection_bias", router.e_score_correction_bias)
-    moe.shared_expert = block.shared_experts
+    moe = _standard(block, router, config, where,
+                    router_logits_fp32=type(block).__name__ == "MistralLarge4TextMoE")
+    moe.shared_expert = getattr(block, "shared_experts", None)
+    return moe
+
+
+def _minimax_m2(block: Any, where: str) -> MoE:
+    """MiniMax-M2: sigmoid (of logits in the router's dtype), selection bias on the block,
+    renormalised."""
+    moe = _standard(block, block.gate, RouteConfig(int(block.gate.top_k), scoring="sigmoid"), where,
+                    selection_bias=True)
+    _adopt(moe.gate, "selection_bias", _need(block, "e_score_correction_bias", where))
+    return moe
+
+
+def _afmoe(block: Any, where: str) -> MoE:
+    """AFMoE (Arcee Trinity): sigmoid, selection bias (the block's expert_bias), renormalised,
+    times route_scale; shared experts on every token."""
+    router = block.router
+    config = RouteConfig(int(router.top_k), scoring="sigmoid",
+                         routed_scaling_factor=float(router.route_scale))
+    moe = _standard(block, _need(router, "gate", where), config, where, selection_bias=True)
+    _adopt(moe.gate, "selection_bias", _need(block, "expert_bias", where))
+    moe.shared_expert = _need(block, "shared_experts", where)
+    return moe
+
+
+def _flint(block: Any, where: str) -> MoE:
+    """Flint: fp32 logits, sigmoid, top-k, renormalised when norm_topk_prob; an ungated shared
+    expert."""
+    router = block.gate
+    config = RouteConfig(int(router.top_k), scoring="sigmoid", renormalize=_renormalize(router))
+    moe = _standard(block, router, config, where, router_logits_fp32=True)
+    moe.shared_expert = _need(block, "shared_expert", where)
+    return moe
+
+
+def _sigmoid_biased_scaled(block: Any, where: str) -> MoE:
+    """HY-V3, MiniMax-M3 and Laguna: sigmoid + selection bias, renormalised, times a scale (HY-V3's
+    router_scaling_factor in the router; the others' routed_scaling_factor on the block's routed
+    output: the same up to rounding); shared experts. HY-V3 computes its logits in fp32 (its fp32
+    combine of routed and shared outputs rounds the same as adding them in bf16/fp16);
+    MiniMax-M3's experts are gpt-oss's clamped SwiGLU (swigluoai) in the plain gate/up layout.
+    Laguna's optional tanh softcapping of the logits is not supported (0, its default, is)."""
+    router, experts = block.gate, block.experts
+    softcap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
+    if softcap > 0.0:
+        raise ValueError(f"{where}: router_logit_softcapping={softcap}: safemoe has no logit softcapping")
+    bias = getattr(block, "e_score_correction_bias", None)
+    if bias is None:
+        bias = _need(router, "e_score_correction_bias", where)
+    scale = getattr(router, "router_scaling_factor", None)
+    if scale is None:
+        scale = _need(block, "routed_scaling_factor", where)
+    config = RouteConfig(int(router.top_k), scoring="sigmoid", routed_scaling_factor=float(scale))
+    if getattr(experts, "swiglu_alpha", None) is not None:
+        alpha, limit = float(experts.swiglu_alpha), float(experts.swiglu_limit)
+        if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+            raise ValueError(
+                f"{where}: safemoe's swigluoai uses alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}; "
+                f"this model has alpha={alpha}, limit={limit}"
+            )
+        activation = "swigluoai"
+    else:
+        activation = _experts_activation(experts, where, block)
+    w13, w2 = _fused_experts(experts, where)
+    moe = _make_moe(where, router.weight, w13, w2, config, activation, selection_bias=True,
+                    router_logits_fp32=type(block).__name__ == "HYV3MoE")
+    _adopt(moe.gate, "selection_bias", bias)
+    moe.shared_expert = _need(block, "shared_experts", where)
+    return moe
+
+
+def _lfm2_moe(block: Any, where: str) -> MoE:
+    """LFM2-MoE: sigmoid (of logits in the model's dtype), optional selection bias (the block's
+    expert_bias, when use_expert_bias), renormalised (norm_topk_prob), routed_scaling_factor. The
+    stock router divides by (sum + 1e-6): its weights are smaller by a factor sum / (sum + 1e-6),
+    i.e. within 1e-6 relative of safemoe's (below bf16 rounding)."""
+    router = block.gate
+    use_bias = bool(getattr(router, "use_expert_bias", False))
+    config = RouteConfig(int(router.top_k), scoring="sigmoid", renormalize=bool(router.norm_topk_prob),
+                         routed_scaling_factor=float(getattr(router, "routed_scaling_factor", 1.0)))
+    moe = _standard(block, router, config, where, selection_bias=use_bias)
+    if use_bias:
+        _adopt(moe.gate, "selection_bias", _need(block, "expert_bias", where))
+    return moe
+
+
+def _llama4(block: Any, where: str) -> MoE:
+    """Llama 4 (Llama4TextMoe): top-k of the logits, each picked expert's weight sigmoid(logit)
+    (not renormalised), applied to the expert's INPUT: out = shared(x) + sum over k of
+    expert_k(x * w_k) (MoE input_weighted; the stock block runs every expert on x * 0 for the
+    others, which gives 0: its experts are bias-free gated MLPs). Experts are stored [E, H, 2I] /
+    [E, I, H]: transposed once (a copy). Selection is on the sigmoid scores, where the stock router
+    compares logits: they differ only when two logits above ~16.6 both saturate to 1.0 in fp32
+    (then the lower index wins)."""
+    router, experts = block.router, block.experts
+    with torch.no_grad():
+        w13 = _need(experts, "gate_up_proj", where).transpose(1, 2).contiguous()  # [E, 2I, H]
+        w2 = _need(experts, "down_proj", where).transpose(1, 2).contiguous()  # [E, H, I]
+    if getattr(router, "bias", None) is not None:
+        raise ValueError(f"{where}: a router with a bias (Llama 4's has none)")
+    config = RouteConfig(int(router.top_k), scoring="sigmoid", renormalize=False)
+    moe = _make_moe(where, router.weight, w13, w2, config, _experts_activation(experts, where, block),
+                    input_weighted=True)
+    moe.shared_expert = _need(block, "shared_expert", where)
     return moe
 
 
@@ -210,11 +627,57 @@ def _gpt_oss(block: Any, where: str) -> MoE:
 
 # block class name -> (builder, returns a (hidden, scores) pair)
 _BUILDERS = {
-    "Qwen3MoeSparseMoeBlock": (_qwen3, False),
-    "Qwen2MoeSparseMoeBlock": (_qwen2, False),
-    "MixtralSparseMoeBlock": (_mixtral, False),
-    "OlmoeSparseMoeBlock": (_olmoe, False),
+    "Qwen3MoeSparseMoeBlock": (_softmax_topk, False),
+    "Qwen2MoeSparseMoeBlock": (_softmax_topk, False),
+    "Qwen3NextSparseMoeBlock": (_softmax_topk, False),
+    "Qwen3_5MoeSparseMoeBlock": (_softmax_topk, False),
+    "Qwen3VLMoeTextSparseMoeBlock": (_softmax_topk, False),
+    "Qwen3OmniMoeThinkerTextSparseMoeBlock": (_softmax_topk, False),
+    "Qwen3OmniMoeTalkerTextSparseMoeBlock": (_softmax_topk, False),
+    "Qwen4ExpTextSparseMoeBlock": (_softmax_topk, False),
+    "MellumSparseMoeBlock": (_softmax_topk, False),
+    "MixtralSparseMoeBlock": (_softmax_topk, False),
+    "MiniMaxSparseMoeBlock": (_softmax_topk, False),
+    "OlmoeSparseMoeBlock": (_softmax_topk, False),
+    "FlexOlmoSparseMoeBlock": (_softmax_topk, False),
+    "HunYuanMoEV1Moe": (_hunyuan, False),
+    "Ernie4_5_MoeSparseMoeBlock": (_ernie, False),
+    "JambaSparseMoeBlock": (_jamba, False),
+    "DbrxFFN": (_dbrx, False),
+    "GraniteMoeMoE": (_topk_softmax, False),
+    "GraniteMoeSharedMoE": (_topk_softmax, False),
+    "GraniteMoeHybridMoE": (_topk_softmax, False),
+    "GraniteMoeSWAMoE": (_topk_softmax, False),
+    "JetMoeMoE": (_topk_softmax, False),
+    "AriaTextMoELayer": (_aria, False),
+    "Cohere2MoeSparseMoeBlock": (_cohere2, False),
     "DeepseekV3MoE": (_deepseek_v3, False),
+    "DeepseekV32MoE": (_deepseek_v3, False),
+    "Glm4MoeMoE": (_deepseek_v3, False),
+    "Glm4MoeLiteMoE": (_deepseek_v3, False),
+    "Glm4vMoeTextMoE": (_deepseek_v3, False),
+    "GlmMoeDsaMoE": (_deepseek_v3, False),
+    "Dots1MoE": (_deepseek_v3, False),
+    "ExaoneMoeSparseMoEBlock": (_deepseek_v3, False),
+    "KimiLinearMoE": (_deepseek_v3, False),
+    "SolarOpenMoE": (_deepseek_v3, False),
+    "MiMoV2FlashMoE": (_deepseek_v3, False),
+    "BailingHybridMoE": (_deepseek_v3, False),
+    "Dots3NoteTextMoE": (_deepseek_v3, False),
+    "BeamMoE": (_deepseek_v3, False),
+    "DeepseekV2Moe": (_deepseek_v2, False),
+    "DeepseekOcr2TextMoe": (_deepseek_v2, False),
+    "UnlimitedOcrTextMoe": (_deepseek_v2, False),
+    "Mistral4MoE": (_mistral4, False),
+    "MistralLarge4TextMoE": (_mistral4, False),
+    "MiniMaxM2SparseMoeBlock": (_minimax_m2, False),
+    "AfmoeSparseMoeBlock": (_afmoe, False),
+    "Lfm2MoeSparseMoeBlock": (_lfm2_moe, False),
+    "FlintSparseMoeBlock": (_flint, False),
+    "HYV3MoE": (_sigmoid_biased_scaled, False),
+    "MiniMaxM3VLSparseMoeBlock": (_sigmoid_biased_scaled, False),
+    "LagunaSparseMoeBlock": (_sigmoid_biased_scaled, False),
+    "Llama4TextMoe": (_llama4, True),
     "GptOssMLP": (_gpt_oss, True),
 }
 

@@ -22,9 +22,10 @@ How (everything in registers, one program per BLOCK_T rows, rows past num_valid 
    INT32_MIN, strictly below every real value: the smallest real one is the image of -FLT_MAX
    (0x80800000); INT32_MIN is the image of a NaN bit pattern, and sanitised scores are never NaN.
 4. Group-limited selection: group score = sum of the group's two best selection scores (its one
-   score if it has one; a tie for the best counts twice), the best `topk_group` groups stay
-   eligible, ties to the lower group index. Power-of-two groups that tile E use one [R, G, S]
-   view; other group sizes (E=160: 8 groups of 20) one masked pass per group.
+   score if it has one; a tie for the best counts twice), or its best one (group_score="max",
+   GROUP_TOP2 off), the best `topk_group` groups stay eligible, ties to the lower group index.
+   Power-of-two groups that tile E use one [R, G, S] view; other group sizes (E=160: 8 groups of
+   20) one masked pass per group.
 5. Top-K: K passes of "max, then the lowest column holding it, then mark it DEAD". The max is
    over live columns only and each pass kills exactly one live column, so the K ids are distinct,
    in [0, E), in the reference's total order (larger score first, ties to the lower index).
@@ -115,9 +116,10 @@ def _group_score(best, second):
 def _group_limit(
     values, expert,
     NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr, GROUP_TOP2: tl.constexpr,
 ):
-    """values [R, E_PAD] with the experts outside the best TOPK_GROUP groups set to DEAD."""
+    """values [R, E_PAD] with the experts outside the best TOPK_GROUP groups set to DEAD. A group
+    scores the sum of its two best values (GROUP_TOP2) or its best one."""
     rows: tl.constexpr = values.shape[0]
     group_id = tl.arange(0, NG_PAD)[None, :]
     if GROUP_RESHAPE:
@@ -126,10 +128,11 @@ def _group_limit(
         column = tl.reshape(expert, [1, N_GROUP, GROUP_SIZE])
         best = tl.max(grouped, axis=2)  # [R, G]
         group_scores = best
-        if GROUP_SIZE > 1:
-            first = tl.min(tl.where(grouped == best[:, :, None], column, E_PAD), axis=2)
-            second = tl.max(tl.where(column == first[:, :, None], DEAD, grouped), axis=2)
-            group_scores = _group_score(best, second)
+        if GROUP_SIZE > 1:  # noqa: SIM102 (compile-time constants, kept apart for the Triton front end)
+            if GROUP_TOP2:
+                first = tl.min(tl.where(grouped == best[:, :, None], column, E_PAD), axis=2)
+                second = tl.max(tl.where(column == first[:, :, None], DEAD, grouped), axis=2)
+                group_scores = _group_score(best, second)
         kept_groups = tl.zeros([rows, N_GROUP], tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
             _, g = _pick(group_scores, group_id, NG_PAD)
@@ -145,9 +148,10 @@ def _group_limit(
             member = group_of == g
             best, first = _pick(tl.where(member, values, DEAD), expert, E_PAD)
             score = best
-            if GROUP_SIZE > 1:
-                second = tl.max(tl.where(member & (expert != first[:, None]), values, DEAD), axis=1)
-                score = _group_score(best, second)
+            if GROUP_SIZE > 1:  # noqa: SIM102 (as above)
+                if GROUP_TOP2:
+                    second = tl.max(tl.where(member & (expert != first[:, None]), values, DEAD), axis=1)
+                    score = _group_score(best, second)
             group_scores = tl.where(group_id == g, score[:, None], group_scores)
         kept = tl.zeros(values.shape, tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
@@ -164,7 +168,7 @@ def _route_rows(
     rows, row_in, row_valid, routed_scaling_factor,
     NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
     N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
+    NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr, GROUP_TOP2: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     GROUPED: tl.constexpr, HAS_HEALTH: tl.constexpr, SANITIZE: tl.constexpr,
 ):
@@ -213,7 +217,7 @@ def _route_rows(
         values = tl.where(in_range, values, DEAD)
     if GROUPED:
         values = _group_limit(values, expert, NUM_EXPERTS, E_PAD, N_GROUP, GROUP_SIZE, TOPK_GROUP, NG_PAD,
-                              GROUP_RESHAPE)
+                              GROUP_RESHAPE, GROUP_TOP2)
     top, ids = _topk(values, expert, K_PAD, TOP_K, E_PAD)  # [BLOCK_T, K_PAD] each
 
     kcol = tl.arange(0, K_PAD)[None, :]
@@ -251,7 +255,7 @@ def _router_kernel(
     num_tokens, num_valid_count, routed_scaling_factor,
     NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
     N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
+    NG_PAD: tl.constexpr, GROUP_RESHAPE: tl.constexpr, GROUP_TOP2: tl.constexpr,
     # modes
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, GROUPED: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr, HAS_HEALTH: tl.constexpr,
@@ -286,7 +290,7 @@ def _router_kernel(
             logits_ptr, bias_ptr, weights_ptr, ids_ptr, health_ptr,
             rows, in_rows, rows < num_valid, routed_scaling_factor,
             NUM_EXPERTS, E_PAD, TOP_K, K_PAD, N_GROUP, GROUP_SIZE, TOPK_GROUP, NG_PAD, GROUP_RESHAPE,
-            SIGMOID, HAS_BIAS, RENORMALIZE, GROUPED, HAS_HEALTH, SANITIZE,
+            GROUP_TOP2, SIGMOID, HAS_BIAS, RENORMALIZE, GROUPED, HAS_HEALTH, SANITIZE,
         )
     else:
         # Only padding rows here: nothing to load, just the sentinels.
@@ -418,6 +422,7 @@ def launch_router(
         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         NG_PAD=triton.next_power_of_2(n_group),
         GROUP_RESHAPE=e_pad == num_experts and group_size & (group_size - 1) == 0,
+        GROUP_TOP2=args.group_score == "top2_sum",
         # modes
         SIGMOID=args.scoring == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=args.renormalize,
         GROUPED=grouped, HAS_NUM_VALID_PTR=nv_tensor is not None, HAS_HEALTH=health is not None,
