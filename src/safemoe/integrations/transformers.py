@@ -83,10 +83,11 @@ Transformers (capacity-limited routing that drops tokens, encoder-decoder), Long
 (zero-computation identity experts), NemotronH (non-gated relu^2 experts and a latent
 projection), Gemma-4 (router RMSNorm and per-expert output scales), Laguna with tanh softcapping
 of the logits, Kolibri (selection bias on the logits, not the scores), AXK1 / AXK2 (a norm after
-the block; groups masked with 0.0 under a signed bias), GLM-5-Next, HY-V4, Step-3.7 (clamped
-SwiGLU on some layers), Inkling (clamped or softcapped SwiGLU variants safemoe's experts do not
-have), Muse-Spark (a logit multiplier, projections and a norm around the experts), DeepSeek-V4
-(hash routing), Zaya (an MLP router), Doge (product-key experts), JetMoE's attention experts
+the block; groups masked with 0.0 under a signed bias), GLM-5-Next, HY-V4 and Step-3.7 (clamped
+SwiGLU, on some layers in Step-3.7), Inkling (routed and shared weights normalised together in
+log-sigmoid space, a learned global scale), Inkling-2 (softcapped SwiGLU), Muse-Spark (a logit
+multiplier, projections and a norm around the experts), DeepSeek-V4 (hash routing, clamped SiLU
+experts), Zaya (an MLP router), Doge (product-key experts), JetMoE's attention experts
 (`JetMoeMoA`, not an MLP).
 
 Weights: the router weight, `gate_up_proj` [E, 2I, H] (gate rows then up rows, exactly safemoe's
@@ -232,6 +233,10 @@ def _make_moe(where: str, router_weight: torch.Tensor, w13: torch.Tensor, w2: to
         raise ValueError(
             f"{where}: router weight {tuple(router_weight.shape)} does not match E={num_experts}, H={hidden}"
         )
+    if router_weight.dtype == torch.float32 and w13.dtype != torch.float32:
+        # A router kept in fp32 (_keep_in_fp32_modules) computes fp32 logits: the stock routers that
+        # allow it cast the input up (an F.linear of mixed dtypes would fail).
+        layer_flags["router_logits_fp32"] = True
     moe = MoE(hidden, two_inter // 2, num_experts, config, activation=activation, dtype=w13.dtype,
               device="meta", **layer_flags)
     _adopt(moe.gate, "weight", router_weight)
