@@ -49,11 +49,19 @@ def test_workloads_are_deterministic_and_in_range():
 def test_serving_bench_on_cpu(tmp_path):
     from safemoe.demo_models import load_config
 
+    checkpoints: list[serving.Report] = []
     report = serving.run_serving(
         config=load_config("tiny", 2), device=torch.device("cpu"), dtype=torch.float32, concurrencies=(1, 3),
         cuda_graphs=False, max_batch_tokens=16, page=16, prompt_lengths=(3, 20), new_tokens=(2, 5),
-        force_padding=True, q_padding_interval=8, log=lambda line: None,
+        force_padding=True, q_padding_interval=8, log=lambda line: None, checkpoint=checkpoints.append,
     )  # fmt: skip
+    assert len(checkpoints) == 4 and all(c is report for c in checkpoints)  # after every phase
+    assert list(report.settings["phases_s"]) == [
+        "stock timed",
+        "safemoe timed",
+        "safemoe checks",
+        "stock checks",
+    ]
     assert [r.concurrency for r in report.rows] == [1, 3]
     assert report.settings["engine"]["pads_batches"] is True
     for row in report.rows:

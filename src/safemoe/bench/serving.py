@@ -181,6 +181,7 @@ class StepRecorder:
                     "cuda_graph_decode": getattr(runner, "use_cuda_graph_decode", None),
                     "pads_batches": getattr(runner, "pad_inputs", None),
                     "io": type(runner.inputs_and_outputs).__name__,
+                    "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
                 }
             if ids.device.type == "cuda":
                 stream = stream if stream is not None else torch.cuda.current_stream(ids.device)
@@ -682,8 +683,10 @@ def run_serving(
     q_padding_interval: int | None = None,
     backend: str = "auto",
     log: Callable[[str], None] = print,
+    checkpoint: Callable[[Report], None] | None = None,
 ) -> Report:
-    """Build the two models, run the timed and the check passes for both sides; see the module doc."""
+    """Build the two models, run the timed and the check passes for both sides; see the module doc.
+    checkpoint(report) is called after each phase (the report so far: results survive a time limit)."""
     from safemoe.demo_models import build_model
     from safemoe.integrations.transformers import patch, patched_blocks
 
@@ -712,30 +715,6 @@ def run_serving(
         Row(w.concurrency, len(w.prompts), sum(map(len, w.prompts)), w.generated, SideResult(), SideResult())
         for w in workloads
     ]
-    recorder = StepRecorder(force_padding=force_padding)
-    with recorder.active():
-        for name, model, side_health in (("stock", stock, None), ("safemoe", patched, health)):
-            log(f"{name}: timed pass (after an untimed warm-up pass)")
-            sides = [getattr(r, name) for r in rows]
-            timed_pass(model, workloads, cb, recorder, sides, health=side_health, layers=layers, log=log)
-        # safemoe's checks first: NaN in stock's padded rows may break its engine (or the device).
-        log("safemoe: clean and NaN-injected runs")
-        got = check_pass(
-            patched, workloads, cb, recorder, [r.safemoe for r in rows], health=health, layers=layers, log=log
-        )
-        log("stock: clean and NaN-injected runs")
-        want = check_pass(
-            stock, workloads, cb, recorder, [r.stock for r in rows], health=None, layers=layers, log=log
-        )
-    for row, a, b in zip(rows, got, want, strict=True):
-        if a is not None and b is not None:
-            pairs = [(x, y) for ga, gb in zip(a, b, strict=True) for x, y in zip(ga, gb, strict=False)]
-            row.tokens_equal_to_stock = sum(x == y for x, y in pairs) / max(1, len(pairs))
-    if not recorder.available:
-        log(f"per-step numbers unavailable: {recorder.note}")
-    engine_info = recorder.engine or {"note": recorder.note or "no engine step recorded"}
-
-    info = run_info()
     settings = {
         "model": f"Qwen3-MoE, {config.num_hidden_layers} layers, E={config.num_experts}, "
         f"K={config.num_experts_per_tok}, H={config.hidden_size}, I={config.moe_intermediate_size}, "
@@ -746,7 +725,6 @@ def run_serving(
         "force_padding": force_padding,
         "stock_experts": getattr(stock.config, "_experts_implementation", None),
         "safemoe_backend": backend,
-        "attention": getattr(stock.config, "_attn_implementation", None),
         "prompt_lengths": list(prompt_lengths),
         "new_tokens": list(new_tokens),
         "max_batch_tokens": max_batch_tokens,
@@ -756,10 +734,44 @@ def run_serving(
         "step_timing": "CUDA events around ModelRunner.compute_batch on the compute stream"
         if device.type == "cuda"
         else "perf_counter around ModelRunner.compute_batch",
-        "engine": engine_info,
+        "engine": {},
+        "phases_s": {},
         "transformers": __import__("transformers").__version__,
     }
-    return Report(info, settings, rows)
+    report = Report(run_info(), settings, rows)
+    recorder = StepRecorder(force_padding=force_padding)
+    began = time.perf_counter()
+
+    def phase_done(name: str) -> None:
+        settings["phases_s"][name] = round(time.perf_counter() - began, 1)
+        settings["engine"] = recorder.engine or {"note": recorder.note or "no engine step recorded"}
+        if checkpoint is not None:
+            checkpoint(report)
+
+    with recorder.active():
+        for name, model, side_health in (("stock", stock, None), ("safemoe", patched, health)):
+            log(f"{name}: timed pass (after an untimed warm-up pass)")
+            sides = [getattr(r, name) for r in rows]
+            timed_pass(model, workloads, cb, recorder, sides, health=side_health, layers=layers, log=log)
+            phase_done(f"{name} timed")
+        # safemoe's checks first: NaN in stock's padded rows may break its engine (or the device).
+        log("safemoe: clean and NaN-injected runs")
+        got = check_pass(
+            patched, workloads, cb, recorder, [r.safemoe for r in rows], health=health, layers=layers, log=log
+        )
+        phase_done("safemoe checks")
+        log("stock: clean and NaN-injected runs")
+        want = check_pass(
+            stock, workloads, cb, recorder, [r.stock for r in rows], health=None, layers=layers, log=log
+        )
+    for row, a, b in zip(rows, got, want, strict=True):
+        if a is not None and b is not None:
+            pairs = [(x, y) for ga, gb in zip(a, b, strict=True) for x, y in zip(ga, gb, strict=False)]
+            row.tokens_equal_to_stock = sum(x == y for x, y in pairs) / max(1, len(pairs))
+    if not recorder.available:
+        log(f"per-step numbers unavailable: {recorder.note}")
+    phase_done("stock checks")
+    return report
 
 
 # ----------------------------------------------------------------------------------------------
@@ -905,13 +917,15 @@ def plot(report: Report, path: Path) -> Path | None:
     return path
 
 
-def write_report(report: Report, out_dir: Path) -> None:
+def write_report(report: Report, out_dir: Path, *, final: bool = True) -> None:
+    """serving.json and serving.md; when final, also the printed table and serving.png."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{SUITE}.json").write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
     (out_dir / f"{SUITE}.md").write_text(markdown(report))
-    print_report(report)
-    plot(report, out_dir / f"{SUITE}.png")
+    if final:
+        print_report(report)
+        plot(report, out_dir / f"{SUITE}.png")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -966,6 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_graphs=not args.no_cuda_graphs,
         max_batch_tokens=args.max_batch_tokens,
         seed=args.seed,
+        checkpoint=lambda partial: write_report(partial, args.out, final=False),
     )
     write_report(report, args.out)
     failed = any(r.stock.errors or r.safemoe.errors for r in report.rows)
