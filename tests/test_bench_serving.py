@@ -102,3 +102,37 @@ def test_cli_without_a_gpu(monkeypatch, tmp_path, capsys):
         serving.main(["--concurrency", "0,8"])
     assert done.value.code == 2
     assert math.isfinite(serving.WORKLOAD_TIMEOUT_S)
+
+
+@torch.no_grad()
+def test_a_failing_side_is_reported_not_raised(monkeypatch, tmp_path):
+    """The stock model's forward raises in every step: its rows carry the error, safemoe's rows are
+    measured, the report is written."""
+    from safemoe.demo_models import load_config
+
+    set_impl = serving._set_experts_implementation
+
+    def break_stock(model, name):
+        set_impl(model, name)
+
+        target = model.model.layers[0].self_attn
+
+        def boom(module, args):
+            if module is target:  # not in the deep copy safemoe patches (it copies the hook too)
+                raise RuntimeError("stock broke")
+
+        target.register_forward_pre_hook(boom)
+
+    monkeypatch.setattr(serving, "_set_experts_implementation", break_stock)
+    monkeypatch.setattr(serving, "WORKLOAD_TIMEOUT_S", 30.0)
+    report = serving.run_serving(
+        config=load_config("tiny", 2), device=torch.device("cpu"), dtype=torch.float32, concurrencies=(2,),
+        cuda_graphs=False, max_batch_tokens=16, page=16, prompt_lengths=(3, 10), new_tokens=(2, 3),
+        force_padding=True, q_padding_interval=8, log=lambda line: None,
+    )  # fmt: skip
+    (row,) = report.rows
+    assert row.stock.errors and row.stock.tokens_per_s is None
+    assert not row.safemoe.errors and row.safemoe.tokens_per_s > 0 and row.padded_rows_skipped
+    assert row.tokens_equal_to_stock is None
+    serving.write_report(report, tmp_path)
+    assert "stock" in (tmp_path / "serving.md").read_text().split("\n| 2 |")[1]

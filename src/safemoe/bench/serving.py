@@ -420,7 +420,8 @@ class Engine:
                 if not self.manager.is_running():
                     raise RuntimeError(f"the generation thread stopped ({len(results)} of {len(ids)} done)")
                 continue
-            if result.request_id in wanted and result.is_finished():
+            finished = getattr(result, "is_finished", None)
+            if result.request_id in wanted and (finished is None or finished()):
                 if getattr(result, "error", None):
                     raise RuntimeError(f"request {result.request_id} failed: {result.error}")
                 results[result.request_id] = result
@@ -557,7 +558,7 @@ def timed_pass(
             log(f"  c={workload.concurrency}: {side.tokens_per_s:.0f} tok/s, step p50 {side.step_ms_p50} ms")
     except Exception as exc:
         for side in results:
-            if not side.errors:
+            if side.tokens_per_s is None and not side.errors:  # the workloads not measured
                 side.errors.append(f"timed: {_error(exc)}")
         traceback.print_exc()
     finally:
@@ -615,6 +616,10 @@ def check_run(
         recorder.take()
 
 
+def _is_fatal(error: str) -> bool:
+    return "TimeoutError" in error or "CUDA error" in error or "AcceleratorError" in error
+
+
 def check_pass(
     model: nn.Module,
     workloads: list[Workload],
@@ -629,6 +634,11 @@ def check_pass(
     """Clean and NaN-injected runs of every workload; returns the clean tokens per workload."""
     clean_tokens: list[list[list[int]] | None] = []
     for workload, side in zip(workloads, results, strict=True):
+        fatal = [e for r in results for e in r.errors if _is_fatal(e)]
+        if fatal:  # a hung engine or a broken CUDA context: the next runs would only repeat it
+            side.errors.append(f"checks skipped after: {fatal[0]}")
+            clean_tokens.append(None)
+            continue
         clean = check_run(model, workload, cb, recorder, side, "clean", health=health, layers=layers)
         poisoned = check_run(model, workload, cb, recorder, side, "nan", health=health, layers=layers)
         clean_tokens.append(clean[0] if clean else None)
