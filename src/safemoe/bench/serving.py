@@ -396,18 +396,15 @@ class Engine:
     def serve(self, workload: Workload) -> tuple[list[list[int]], float]:
         """Generated tokens per request (in workload order) and the wall seconds from submission to
         the last result. Before the first serve the requests are queued, then the engine started:
-        its first batches are the same in every run."""
+        its batches are the same in every run (the check runs serve once per manager). Not
+        `manager.pause()` for later serves: 5.17 may lack it and it waits without a time limit."""
         self._round += 1
         tag = f"w{self._round}"
         start = time.perf_counter()
+        ids = self._add(workload, tag)  # later serves: added while the engine runs, as a server gets them
         if not self.started:
-            ids = self._add(workload, tag)
             self.manager.start()
             self.started = True
-        else:
-            pause = getattr(self.manager, "pause", None)
-            with pause() if pause is not None else contextlib.nullcontext():
-                ids = self._add(workload, tag)
         wanted, results = set(ids), dict[str, Any]()
         deadline = start + WORKLOAD_TIMEOUT_S
         while len(results) < len(ids):
