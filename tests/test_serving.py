@@ -32,6 +32,10 @@ from test_integrations_transformers import config  # noqa: E402  (tiny configs, 
 # config) needs to run in continuous batching; adding a family is one line.
 FAMILY_OVERRIDES: dict[str, dict[str, object]] = {
     "qwen3_moe": {},
+    # transformers' paged cache (5.17-5.23) has no allocator for linear attention ("Invalid layer type:
+    # linear_attention", stock too): Qwen3-Next's MoE blocks (shared expert, sigmoid gate) run here
+    # under its full-attention layers only.
+    "qwen3_next": {"layer_types": ["full_attention", "full_attention"]},
     # transformers' paged cache (5.17-5.23) sizes K and V by head_dim (= qk_rope_head_dim) while MLA's
     # keys are qk_nope + qk_rope wide: stock DeepSeek-V3 fails in index_copy_ unless qk_nope is 0.
     "deepseek_v3": {"qk_nope_head_dim": 0},
