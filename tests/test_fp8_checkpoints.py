@@ -372,6 +372,13 @@ def test_layouts_safemoe_cannot_take_raise_naming_them(change, match):
     assert "Qwen3MoeSparseMoeBlock at model.layers.0.mlp" in str(info.value)
 
 
+def test_ambiguous_gate_up_scale_rows_are_refused():
+    """I = 96: ceil(2I/128) = 2 * ceil(I/128) = 2 scale rows, one matrix or gate and up apart."""
+    model, _, _ = fp8_checkpoint("qwen3_moe", 96)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=96 \(64 < I % 128\)"):
+        patch(model)
+
+
 def test_quant_on_an_fp8_checkpoint_is_refused():
     model, _, _ = fp8_checkpoint("qwen3_moe", 128)
     with pytest.raises(ValueError, match="fp8 already"):

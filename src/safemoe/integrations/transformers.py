@@ -294,6 +294,13 @@ def _expert_weights(experts: Any, where: str,
     elif tuple(block) != (FP8_BLOCK, FP8_BLOCK):
         raise ValueError(f"{what} block_size={tuple(block)}: safemoe's fp8 blocks are "
                          f"{FP8_BLOCK}x{FP8_BLOCK}")
+    inter = w13.shape[1] // 2
+    if block is not None and inter % FP8_BLOCK > FP8_BLOCK // 2:
+        # ceil(2I/128) == 2 * ceil(I/128): the scale rows read two ways (one [2I, H] matrix, or gate
+        # and up quantised apart), and nothing in the module says which (see docs/fp8.md, "Trap").
+        raise ValueError(f"{what} moe_intermediate_size={inter} (64 < I % 128): its gate_up_proj_scale_inv "
+                         "rows fit both gate and up quantised as one matrix and as two; safemoe cannot tell "
+                         "which (re-quantise the experts, or pad I to a multiple of 128)")
     scales = (s13.contiguous(), s2.contiguous())
     try:
         spec = _checks.check_fp8_weights(w13, w2, *scales)
