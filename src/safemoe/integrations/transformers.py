@@ -99,6 +99,23 @@ copy of the expert weights; the original tensors are released with the old block
 gate/up bias is folded into w13 (see `safemoe.layer`). DBRX ([E * I, H] w1 / v1 / w2) and Aria
 ([E, H, 2I] / [E, I, H]) are likewise copied once into safemoe's layout.
 
+fp8 checkpoints (a model loaded with transformers' `FineGrainedFP8Config`, e.g. DeepSeek-V3's or
+Qwen3's FP8 releases): the experts module is transformers' `FP8Experts`, whose float8_e4m3fn
+`gate_up_proj` / `down_proj` and float32 `*_scale_inv` (128x128 blocks, or one scale per expert and
+projection) become the MoE's fp8 experts as they are (the same storage: no copy, no
+dequantisation; `MoE.set_fp8_experts`), run on safemoe's fp8 kernels with activations quantised
+per 1x128 group at run time (so `patch(workspace=)` needs `Workspace(..., fp8=True)`, and `quant=`
+is refused). The gate/up scale rows: ceil(2I/128) (gate and up quantised as one matrix, what the
+quantizer makes) or 2 * ceil(I/128) (apart, as checkpoints ship gate_proj / up_proj; transformers
+can hold that only when I <= 64); when 64 < I % 128 both counts are equal and patch refuses rather
+than guess. ue8m0 scales (float8_e8m0fnu, powers of two) are widened to float32 exactly (a copy of
+the scales only). Refused, naming what: static activation scales, block sizes other than 128x128,
+fp4 (int8) experts, biases, non-gated or clamped/softcapped experts, fp8 gate_up with a bf16
+down_proj (the quantizer leaves a matrix unquantised when a side is not a multiple of 128; both
+unquantised run safemoe's bf16 path). A router stored in fp8 (an `FP8Linear`, e.g. Hunyuan's
+`gate.wg`) is dequantised once to fp32 (a copy of [E, H]) and computes fp32 logits. Shared experts
+and their gates keep their own modules and forward (an `FP8Linear` runs transformers' fp8 kernel).
+
 Padding: every patched block reads the model's shared `num_valid` (None, an int or a 0-dim device
 tensor) set with `set_num_valid`; rows of the flattened [batch * seq] tokens at or past it are
 padding (the MoE never reads them and writes zeros there). For a CUDA graph, set it once to the
@@ -841,7 +858,8 @@ def patch(
     shared by all blocks (with `fp8=True` when quant is set). health: one `safemoe.Health` (or
     tensor) all blocks add to. quant: None (the model's dtype), "per_tensor" or "block": each
     block's experts are quantised to fp8 (`MoE.quantize_`) and run on the fp8 kernels; the model
-    must be bf16 or fp16.
+    must be bf16 or fp16. An fp8 checkpoint's experts (transformers' FP8Experts) run on the fp8
+    kernels with their own weights and scales (see the module docstring); quant must be None.
     Raises ValueError naming the class when the model has an MoE block safemoe does not support,
     or no MoE block at all.
     """
