@@ -252,7 +252,7 @@ def _float32_scale(scale: Any, name: str, where: str) -> torch.Tensor:
     """A weight_scale_inv as float32: as it is, or ue8m0 (float8_e8m0fnu, powers of two) widened
     exactly (a copy of the scales only, [E, 2I/128, H/128]: small)."""
     if not isinstance(scale, torch.Tensor):
-        raise ValueError(f"{where}: fp8 expert weights without their {name} tensor")
+        raise ValueError(f"{where}: fp8 weights without their {name} tensor")
     if scale.dtype == torch.float32:
         return scale.detach()
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
