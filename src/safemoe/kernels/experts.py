@@ -16,7 +16,10 @@ Both GEMMs run persistent grids (at most `programs_per_sm` programs per SM) that
 function of T alone (CUDA-graph safe) and the work a function of num_valid. An M-block's expert is
 the number of experts whose inclusive block end is <= the block index. Results are deterministic:
 each output row depends on its own input row and the same K-loop order whatever its position, and
-the combine is an ordered reduction. Addresses that are products of a row and a row length use
+the combine is an ordered reduction. With `batch_invariant` one configuration serves every T and
+the small-batch switch is off, so a valid row's bits depend on nothing but its own inputs (the
+tiles fix each output's K-loop order and MMA shape; the grid only decides which program runs a
+tile). Addresses that are products of a row and a row length use
 int64 (T*K*H and capacity*I can pass 2^31).
 
 Activations (gate g, up u, fp32): silu g*sigmoid(g)*u; gelu (tanh form) 0.5*g*(1+tanh(...))*u;
@@ -34,7 +37,7 @@ import triton.language as tl
 
 from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
-from safemoe.configs import ExpertsConfig, GemmTiles, get_config
+from safemoe.configs import ExpertsConfig, GemmTiles, batch_invariant_config, get_config
 from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
@@ -515,6 +518,7 @@ def experts_triton(
     config: ExpertsConfig | None = None,
     small_config: ExpertsConfig | None = None,
     fp8: Fp8Weights | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Expert MLPs with the Triton kernels; arguments already validated by `safemoe.experts`.
 
@@ -528,6 +532,11 @@ def experts_triton(
     launched for both, and the pair that dispatch did not pick finds no M-block and returns. So
     results are a deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS), and a row's bits
     do not depend on what padding rows hold.
+
+    batch_invariant: one configuration for every T and no small-batch switch, so a valid row's
+    output is bitwise the same whatever T, num_valid and the other rows hold. The configuration is
+    `config` when given (the caller then passes the same one for every T), else
+    `safemoe.configs.batch_invariant_config` for the shapes; a `small_config` is an error.
 
     fp8 (w13, w2 float8_e4m3fn with `fp8`'s scales; x bf16/fp16; the workspace needs fp8
     buffers): x's rows < num_valid are quantised first (kernels/act_quant.py: per token, or 1x128
@@ -550,9 +559,15 @@ def experts_triton(
         )
     _check_fp8_config(config, fp8)
     _check_fp8_config(small_config, fp8)
+    if batch_invariant and small_config is not None:
+        raise ValueError("small_config switches tiles by num_valid; batch_invariant=True runs one config for "
+                         "every batch (pass config= alone)")
     if num_tokens == 0:
         return out
-    if config is None:
+    if batch_invariant:
+        if config is None:
+            config = batch_invariant_config(num_experts, hidden, inter, top_k, x.dtype, x.device, quant)
+    elif config is None:
         config = get_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device, quant)
         small_config = small_batch_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device,
                                           config, quant)
