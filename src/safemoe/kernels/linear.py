@@ -12,7 +12,9 @@ Contract:
   weight[n, step], + bias[n]) to out's dtype. With `fp32`, x and weight are upcast to fp32 in
   the kernel and multiplied in IEEE fp32 (a Linear on fp32 copies); out is then float32.
 - Row t of out depends on row t of x and on the weights only: masked rows past T are zeros and
-  never mix into a valid row, and T is not specialised on (do_not_specialize).
+  never mix into a valid row, and T is not specialised on (do_not_specialize). Under the Triton
+  interpreter the products are `rowwise_product` (tl.dot there is OpenBLAS, whose bits follow a
+  row's position in the tile).
 - Every row is computed (padding rows too: callers zero or ignore them); no host sync, no
   allocation when `out` is given.
 """
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from safemoe._triton import interpreter_enabled
+from safemoe.kernels.launch import rowwise_product
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ def _linear_rows_kernel(
     w_col_stride,
     HAS_BIAS: tl.constexpr,
     FP32: tl.constexpr,  # upcast both operands to fp32, IEEE products
-    UPCAST: tl.constexpr,  # interpreter with bf16 operands: multiply in fp32
+    ROWWISE: tl.constexpr,  # interpreter: the position-independent product (kernels/launch.py)
     # tunable (fixed: the invariance)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -83,7 +86,9 @@ def _linear_rows_kernel(
         k_ok = ks < depth - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP32 or UPCAST:
+        if ROWWISE:
+            acc += rowwise_product(a, b)
+        elif FP32:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -122,7 +127,7 @@ def linear_rows_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         out,
         num_rows, num_cols, depth, x.stride(0), weight.stride(0), weight.stride(1),
         HAS_BIAS=bias is not None, FP32=fp32 or x.dtype == torch.float32,
-        UPCAST=interpreter_enabled() and torch.bfloat16 in (x.dtype, weight.dtype),
+        ROWWISE=interpreter_enabled(),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
