@@ -21,7 +21,6 @@ import torch
 
 import safemoe
 from safemoe.bench.harness import BenchRow, DeviceCeilings, error_note, moe_floor_us, progress, time_auto
-from safemoe.workspace import Workspace
 
 SUITE = "invariance"
 
@@ -49,7 +48,7 @@ def _layers(shape: tuple[int, int, int, int], device: torch.device) -> tuple[saf
 
 
 def _case_rows(case: str, shape: tuple[int, int, int, int], num_tokens: int,
-               layers: tuple[safemoe.MoE, safemoe.MoE], workspace: Workspace, ceilings: DeviceCeilings,
+               layers: tuple[safemoe.MoE, safemoe.MoE], workspace: safemoe.Workspace, ceilings: DeviceCeilings,
                quick: bool) -> list[BenchRow]:
     num_experts, top_k, hidden, inter = shape
     base, _ = layers
@@ -103,7 +102,7 @@ def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
         num_experts, top_k, hidden, inter = shape
         torch.manual_seed(0)
         layers = _layers(shape, device)
-        workspace = Workspace(max(tokens), num_experts, top_k, hidden, inter, torch.bfloat16, device)
+        workspace = safemoe.Workspace(max(tokens), num_experts, top_k, hidden, inter, torch.bfloat16, device)
         for layer in layers:
             layer.set_workspace(workspace)
         for num_tokens in progress(tokens, f"invariance suite: {case}"):
