@@ -48,8 +48,8 @@ def _layers(shape: tuple[int, int, int, int], device: torch.device) -> tuple[saf
 
 
 def _case_rows(case: str, shape: tuple[int, int, int, int], num_tokens: int,
-               layers: tuple[safemoe.MoE, safemoe.MoE], workspace: safemoe.Workspace, ceilings: DeviceCeilings,
-               quick: bool) -> list[BenchRow]:
+               layers: tuple[safemoe.MoE, safemoe.MoE], workspace: safemoe.Workspace,
+               ceilings: DeviceCeilings, quick: bool) -> list[BenchRow]:
     num_experts, top_k, hidden, inter = shape
     base, _ = layers
     device = base.w13.device
