@@ -121,12 +121,12 @@ def layer_invariance(ctx: CaseContext, **p: Any) -> None:
     _require_invariant_backend(ctx)
     dtype = p["dtype"]
     prob = _problem(ctx, dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=ctx.generator)))
-        layer = safemoe.MoE(prob["H"], prob["I"], prob["E"], prob["K"], shared_intermediate_size=prob["I"],
-                            shared_expert_gate=True, backend="triton", batch_invariant=True, dtype=dtype,
-                            device=ctx.device)
+    layer = safemoe.MoE(prob["H"], prob["I"], prob["E"], prob["K"], shared_intermediate_size=prob["I"],
+                        shared_expert_gate=True, backend="triton", batch_invariant=True, dtype=dtype,
+                        device=ctx.device)
     with torch.no_grad():
+        for param in layer.parameters():  # drawn from the case's generator, not the global RNG
+            param.copy_(0.1 * torch.randn(param.shape, generator=ctx.generator))
         alone = layer(prob["x"][None])
         for t, position, nv, fill in _placements(ctx, p["num_valid"]):
             got = layer(_batch(ctx, prob["x"], t, position, fill), num_valid=nv)
