@@ -40,8 +40,9 @@ MAX_BLOCK_M = 128
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 # Batch-invariant mode without a tuned "batch_invariant" entry uses the tiles of this many tokens
 # for every T: a mid-size batch (64 rows per expert on Qwen3-30B-A3B, E=128 K=8), between the decode
-# and prefill regimes. A guess, not a measurement: tune it with `safemoe bench layer
-# --batch-invariant` on the GPU it serves on.
+# and prefill regimes. A guess, not a measurement: `scripts/tune_batch_invariant.py --write` times
+# candidates at T = 1..8192 against each T's own config and writes the shape's "batch_invariant"
+# entry; `safemoe bench --suite invariance` measures what the mode costs.
 BATCH_INVARIANT_TOKENS = 1024
 _CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl")
 

@@ -41,7 +41,8 @@ class LinearTiles:
 
 
 # One tile set for every T (the invariance). Untuned: 32-row M-blocks waste less than 64 or 128 at
-# decode, where this kernel is a weight stream; `safemoe bench layer --batch-invariant` measures it.
+# decode, where this kernel is a weight stream; `safemoe bench --suite invariance` (its `layer` rows)
+# measures what the gate costs with it.
 _CUDA_TILES = LinearTiles(block_m=32, block_n=64, block_k=64)
 # The interpreter: small tiles only cost less time.
 _INTERPRETER_TILES = LinearTiles(block_m=16, block_n=16, block_k=32, num_stages=1)
