@@ -318,3 +318,24 @@ def test_batch_invariant_errors(device):
 
 def routing_cpu(routing: safemoe.Routing) -> safemoe.Routing:
     return safemoe.Routing(weights=routing.weights.cpu(), ids=routing.ids.cpu())
+
+
+def test_batch_invariant_config_reads_the_device_file(monkeypatch):
+    """The device file's "batch_invariant" entry for the shape wins (block_k capped at 128 in fp8
+    block mode); a shape without one gets the config of BATCH_INVARIANT_TOKENS tokens."""
+    import safemoe.configs as configs
+
+    tiles = {"block_n": 64, "block_k": 256, "group_m": 4, "num_warps": 4, "num_stages": 3, "tma": False}
+    entry = {"block_m": 32, "gemm1": tiles, "gemm2": tiles, "slowdown": {"1": 1.1}}
+    key = configs.shape_key(128, 2048, 768, 8, torch.bfloat16)
+    fp8_key = configs.shape_key(128, 2048, 768, 8, torch.bfloat16, "block")
+    monkeypatch.setattr(configs, "_device_json",
+                        lambda name: {"configs": {}, "batch_invariant": {key: entry, fp8_key: entry}})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    cuda = torch.device("cuda")
+    cfg = configs.batch_invariant_config(128, 2048, 768, 8, torch.bfloat16, cuda)
+    assert (cfg.block_m, cfg.gemm1.block_k, cfg.extra["slowdown"]) == (32, 256, {"1": 1.1})
+    fp8 = configs.batch_invariant_config(128, 2048, 768, 8, torch.bfloat16, cuda, "block")
+    assert (fp8.block_m, fp8.gemm1.block_k, fp8.gemm2.block_k) == (32, 128, 128)
+    other = configs.batch_invariant_config(64, 2048, 768, 8, torch.bfloat16, cuda)
+    assert other == configs.heuristic_config(configs.BATCH_INVARIANT_TOKENS, 64, 2048, 768, 8, torch.bfloat16)
