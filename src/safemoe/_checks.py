@@ -101,6 +101,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def check_batch_invariant(batch_invariant: object, backend: str, what: str) -> bool:
+    """batch_invariant must be a bool; True needs the Triton kernels (`backend` resolved): the
+    reference's torch matmuls and reductions pick their algorithm by shape."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+    if batch_invariant and backend != "triton":
+        raise ValueError(
+            f"{what}: batch_invariant=True is a guarantee of the Triton kernels, got backend={backend!r} "
+            "(pass backend='triton'; on CPU that runs under TRITON_INTERPRET=1)"
+        )
+    return batch_invariant
+
+
 def check_route_args(
     logits: object,
     top_k: int | RouteConfig,

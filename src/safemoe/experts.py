@@ -37,6 +37,7 @@ def experts(
     workspace: Workspace | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Run the routed expert MLPs.
 
@@ -55,6 +56,9 @@ def experts(
         ceil(H/128)] for gate and up quantised separately), w2_scale [E, ceil(H/128),
         ceil(I/128)]; activations in 1x128 groups. Each row's activation scales depend on that
         row only; a NaN/Inf in a valid row of x makes that row's output NaN and nothing else.
+    batch_invariant: a valid row's output is bitwise the same whatever T, num_valid and the other
+        rows hold (one tile config for every T, no small-batch switch; backend "triton" only;
+        bf16/fp16/fp32 and fp8). Costs speed: see the README.
     Returns [T, H] in x's dtype.
     """
     num_tokens, _, _, _, fp8 = _checks.check_expert_weights(
@@ -67,8 +71,10 @@ def experts(
     nv = _checks.check_num_valid(num_valid, num_tokens, x.device)
     check_health(health, x.device)
     backend = _checks.resolve_backend(backend, x.device)
+    _checks.check_batch_invariant(batch_invariant, backend, "experts")
     workspace = _checks.check_workspace(workspace, x, w13, routing.ids.shape[1], fp8=fp8 is not None)
     if backend == "triton":
         require_triton(x.device, "experts")
     return ops.experts(x, w13, w2, routing.weights, routing.ids, activation=activation, num_valid=nv,
-                       backend=backend, health=health, workspace=workspace, fp8=fp8)
+                       backend=backend, health=health, workspace=workspace, fp8=fp8,
+                       batch_invariant=batch_invariant)

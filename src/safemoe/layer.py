@@ -17,6 +17,11 @@ optional shared expert is a dense MLP that does see them, so its padded rows are
 can be captured in a CUDA graph with a device `num_valid` and compiled with
 `torch.compile(fullgraph=True)`.
 
+With `batch_invariant=True` every step is computed so that a valid row's output is bitwise the
+same whatever T, num_valid and the other rows hold: the router and expert kernels run one config
+for every T, and the gate logits, the shared expert (a `GatedMLP`), its gate and the down bias use
+`kernels/linear.py` (fixed tiles) instead of torch matmuls, whose cuBLAS algorithm follows T.
+
 Expert biases (gpt-oss): the expert kernels compute `w13 @ x` without a bias. The gate/up bias is
 folded into the GEMM instead: w13 gets one extra input column holding the bias and x one extra
 column holding 1.0 (both padded with zeros to a multiple of 16 columns to keep rows aligned), and
@@ -85,6 +90,8 @@ class Gate(nn.Module):
     selection_bias: optional [E] float32 buffer (DeepSeek-V3's e_score_correction_bias), added to
         the scores for selection only.
     logits_fp32: compute the logits in fp32 from fp32 copies (DeepSeek-V3 does).
+    batch_invariant: logits from `kernels/linear.py` (fixed tiles, not cuBLAS) and the router's
+        one config of every T: a row's (weights, ids) do not depend on T or the other rows.
     forward(x [T, H], num_valid) -> (weights [T, K] f32, ids [T, K] i32); forward hooks see them.
     """
 
@@ -98,10 +105,14 @@ class Gate(nn.Module):
         selection_bias: bool = False,
         logits_fp32: bool = False,
         backend: str = "auto",
+        batch_invariant: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+        self.batch_invariant = batch_invariant
         if not isinstance(config, RouteConfig):
             raise TypeError(f"config must be a safemoe.RouteConfig, got {type(config).__name__}")
         self.config = config.check(num_experts)
@@ -122,6 +133,10 @@ class Gate(nn.Module):
         _init_normal(self.weight)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            from safemoe.kernels.linear import linear_rows
+
+            return linear_rows(x, self.weight, self.bias, fp32=self.logits_fp32)  # [T, E]
         if self.logits_fp32:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias)  # [T, E] float32
@@ -133,8 +148,10 @@ class Gate(nn.Module):
         nv = num_valid if isinstance(num_valid, NumValid) else _checks.check_num_valid(
             num_valid, x.shape[0], x.device
         )
+        backend = _resolve(self.backend, x.device)
+        _checks.check_batch_invariant(self.batch_invariant, backend, "MoE")
         return ops.route(self.logits(x), self.config, bias=self.selection_bias, num_valid=nv,
-                         backend=_resolve(self.backend, x.device), health=self.health)
+                         backend=backend, health=self.health, batch_invariant=self.batch_invariant)
 
     def extra_repr(self) -> str:
         return f"E={self.num_experts}, {self.config}"
@@ -174,6 +191,15 @@ class GatedMLP(nn.Module):
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(act * self.up_proj(x))
 
+    def forward_batch_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """forward with the three Linears on `kernels/linear.py` (fixed tiles; the activation and
+        product are elementwise): row t of the result depends on row t of x alone, bitwise."""
+        from safemoe.kernels.linear import linear_rows
+
+        gate = linear_rows(x, self.gate_proj.weight)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return linear_rows(act * linear_rows(x, self.up_proj.weight), self.down_proj.weight)
+
 
 def moe(
     x: torch.Tensor,
@@ -190,6 +216,7 @@ def moe(
     workspace: Workspace | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    batch_invariant: bool = False,
     **route_options: Any,
 ) -> torch.Tensor:
     """`route(router_logits, top_k, bias=bias)` then `experts(x, w13, w2, routing)`.
@@ -197,6 +224,9 @@ def moe(
     top_k: K, or a whole `RouteConfig`; with K, the routing options as keywords (scoring,
         renormalize, n_group, topk_group, routed_scaling_factor, group_score).
     workspace, w13_scale, w2_scale: as in `safemoe.experts` (fp8 weights with their scales).
+    batch_invariant: as in `safemoe.route` and `safemoe.experts` (backend "triton" only): a valid
+        row's output is bitwise the same whatever T, num_valid and the other rows hold, given its
+        logits row (computing the logits invariantly is the caller's part; `safemoe.MoE` does).
     Every argument is checked before any kernel launches.
     """
     num_tokens, num_experts, _, _, fp8 = _checks.check_expert_weights(
@@ -213,14 +243,16 @@ def moe(
     _checks.check_same_device("router_logits", logits, x.device)
     config = _checks.check_route_args(logits, top_k, bias=bias, **route_options)
     backend = _checks.resolve_backend(_checks.check_backend(backend), x.device)
+    _checks.check_batch_invariant(batch_invariant, backend, "moe")
     nv = _checks.check_num_valid(num_valid, num_tokens, x.device)
     check_health(health, x.device)
     workspace = _checks.check_workspace(workspace, x, w13, config.top_k, fp8=fp8 is not None)
     if backend == "triton":
         require_triton(x.device, "moe")
-    weights, ids = ops.route(logits, config, bias=bias, num_valid=nv, backend=backend, health=health)
+    weights, ids = ops.route(logits, config, bias=bias, num_valid=nv, backend=backend, health=health,
+                             batch_invariant=batch_invariant)
     return ops.experts(x, w13, w2, weights, ids, activation=activation, num_valid=nv, backend=backend,
-                       health=health, workspace=workspace, fp8=fp8)
+                       health=health, workspace=workspace, fp8=fp8, batch_invariant=batch_invariant)
 
 
 class MoE(nn.Module):
@@ -244,7 +276,13 @@ class MoE(nn.Module):
         layer needs one made with `fp8=True`. None: each forward allocates its own.
     health: a `safemoe.Health` (or its int64 tensor) every op of this layer adds to.
     backend: "auto", "triton" or "reference" (see safemoe.route).
+    batch_invariant: a valid row's output is bitwise the same whatever T, num_valid and the other
+        rows hold (see the module docstring); needs the "triton" backend at forward, and a shared
+        expert, if any, that is a `GatedMLP`. Costs speed: see the README.
     """
+
+    # EPMoE's all-to-all experts path has no batch-invariant mode (yet).
+    _supports_batch_invariant = True
 
     def __init__(
         self,
@@ -266,12 +304,18 @@ class MoE(nn.Module):
         workspace: Workspace | None = None,
         health: Health | torch.Tensor | None = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         **route_options: Any,
     ) -> None:
         super().__init__()
         config = RouteConfig.of(top_k, route_options)
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+        if batch_invariant and not self._supports_batch_invariant:
+            raise ValueError(f"batch_invariant=True is not supported by {type(self).__name__}")
+        self.batch_invariant = batch_invariant
         if activation not in _checks.ACTIVATIONS:
             raise ValueError(f"activation must be one of {_checks.ACTIVATIONS}, got {activation!r}")
         if shared_expert_gate and shared_intermediate_size is None:
@@ -296,6 +340,7 @@ class MoE(nn.Module):
             selection_bias=selection_bias,
             logits_fp32=router_logits_fp32,
             backend=backend,
+            batch_invariant=batch_invariant,
             **factory,
         )
         local = num_experts if local_experts is None else local_experts
@@ -455,13 +500,35 @@ class MoE(nn.Module):
             out = self._add_down_bias(out[:, : self.hidden_size], weights, ids)
 
         if self.shared_expert is not None:
-            shared = self.shared_expert(x2)  # [T, H], dense: padded rows hold whatever x held
+            shared = self._shared(x2)  # [T, H], dense: padded rows hold whatever x held
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
+                shared = torch.sigmoid(self._shared_gate(x2)) * shared
             if num_valid is not None:
                 ops.zero_padding_(shared, nv)
             out = out + shared
         return out.view(shape)
+
+    def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's gate logit [T, 1]: its Linear, or with batch_invariant the same
+        weights on the fixed-tile kernel."""
+        gate = self.shared_expert_gate
+        assert gate is not None
+        if not self.batch_invariant:
+            return gate(x)
+        from safemoe.kernels.linear import linear_rows
+
+        return linear_rows(x, gate.weight, gate.bias)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared_expert is not None
+        if not self.batch_invariant:
+            return self.shared_expert(x)
+        if not isinstance(self.shared_expert, GatedMLP):
+            raise TypeError(
+                "batch_invariant=True computes the shared expert with safemoe's fixed-tile kernels, which "
+                f"needs a safemoe GatedMLP, got {type(self.shared_expert).__name__}"
+            )
+        return self.shared_expert.forward_batch_invariant(x)
 
     def _check_input(self, x: object) -> None:
         """x must be a tensor [..., H] on the layer's device, in the dtype its weights compute in: a
@@ -494,7 +561,7 @@ class MoE(nn.Module):
         """The routed experts of this layer's rows (ids in [0, E)); `EPMoE` runs them across ranks."""
         return ops.experts(x, self.w13, self.w2, weights, ids, activation=self.activation, num_valid=nv,
                            backend=_resolve(self.backend, x.device), health=self._health,
-                           workspace=self._workspace, fp8=self._fp8())
+                           workspace=self._workspace, fp8=self._fp8(), batch_invariant=self.batch_invariant)
 
     def _input_weighted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                                 nv: NumValid) -> torch.Tensor:
@@ -521,6 +588,10 @@ class MoE(nn.Module):
         served = (ids >= 0) & (ids < self.num_experts)  # padded rows: ids -1, never an address
         coef = torch.zeros(ids.shape[0], self.num_experts, dtype=torch.float32, device=ids.device)
         coef.scatter_add_(1, ids.clamp(0, self.num_experts - 1).long(), torch.where(served, weights, 0.0))
+        if self.batch_invariant:
+            from safemoe.kernels.linear import linear_rows
+
+            return (out.float() + linear_rows(coef, self.w2_bias.float().t())).to(out.dtype)
         return (out.float() + coef @ self.w2_bias.float()).to(out.dtype)
 
     def extra_repr(self) -> str:
@@ -528,4 +599,5 @@ class MoE(nn.Module):
         return (
             f"H={self.hidden_size}, I={self.intermediate_size}, E={self.num_experts}, K={self.top_k}, "
             f"activation={self.activation}, expert_bias={self.expert_bias}{quant}, backend={self.backend}"
+            + (", batch_invariant=True" if self.batch_invariant else "")
         )

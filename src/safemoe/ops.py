@@ -13,9 +13,9 @@ layers (`safemoe.MoE`, validated at construction) check once and call the wrappe
 | op | arguments (short) |
 |---|---|
 | `safemoe::route` | logits, bias?, the `RouteConfig` fields, num_valid?, count, backend, |
-| | weights_out!, ids_out! |
+| | batch_invariant, weights_out!, ids_out! |
 | `safemoe::experts` | x, w13, w2, w13_scale?, w2_scale?, quant, gate_up_split, weights, ids, activation, |
-| | num_valid?, count, backend, workspace!, workspace_dims, out! |
+| | num_valid?, count, backend, batch_invariant, workspace!, workspace_dims, out! |
 | `safemoe::zero_padding_` | t!, num_valid?, count |
 
 `route` and `experts` come in two flavours, without and with a mutated `health` tensor (`_counted`):
@@ -33,12 +33,12 @@ from safemoe.workspace import Workspace
 
 _ROUTE_ARGS = (
     f"Tensor logits, Tensor? bias, {RouteConfig.op_schema()}, Tensor? num_valid, SymInt num_valid_count, "
-    "str backend, Tensor(a!) weights_out, Tensor(b!) ids_out"
+    "str backend, bool batch_invariant, Tensor(a!) weights_out, Tensor(b!) ids_out"
 )
 _EXPERTS_ARGS = (
     "Tensor x, Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, str quant, bool gate_up_split, "
     "Tensor weights, Tensor ids, str activation, Tensor? num_valid, SymInt num_valid_count, str backend, "
-    "Tensor(a!) workspace, int[] workspace_dims, Tensor(b!) out"
+    "bool batch_invariant, Tensor(a!) workspace, int[] workspace_dims, Tensor(b!) out"
 )
 _NUM_ROUTE_FIELDS = len(RouteConfig.op_schema().split(", "))
 
@@ -50,7 +50,7 @@ def _num_valid(tensor: torch.Tensor | None, count: int) -> NumValid:
 def _route_impl(
     logits: torch.Tensor, bias: torch.Tensor | None, *rest: object
 ) -> None:
-    fields, (nv_tensor, nv_count, backend, weights_out, ids_out, *health) = (
+    fields, (nv_tensor, nv_count, backend, batch_invariant, weights_out, ids_out, *health) = (
         rest[:_NUM_ROUTE_FIELDS], rest[_NUM_ROUTE_FIELDS:]
     )
     config = RouteConfig(*fields)  # type: ignore[arg-type]
@@ -61,7 +61,7 @@ def _route_impl(
         from safemoe.kernels.routing import route_into
 
         route_into(logits, config, bias=bias, num_valid=nv, health=counter,  # type: ignore[arg-type]
-                   weights_out=weights_out, ids_out=ids_out)
+                   weights_out=weights_out, ids_out=ids_out, batch_invariant=bool(batch_invariant))
         return
     from safemoe.reference import route_reference
 
@@ -90,6 +90,7 @@ def _experts_impl(
     num_valid: torch.Tensor | None,
     num_valid_count: int,
     backend: str,
+    batch_invariant: bool,
     workspace: torch.Tensor,
     workspace_dims: list[int],
     out: torch.Tensor,
@@ -104,7 +105,8 @@ def _experts_impl(
         from safemoe.kernels.experts import experts_triton
 
         experts_triton(x, w13, w2, weights, ids, activation=activation, num_valid=nv, health=health,
-                       workspace=Workspace.over(workspace, workspace_dims, x.dtype), out=out, fp8=fp8)
+                       workspace=Workspace.over(workspace, workspace_dims, x.dtype), out=out, fp8=fp8,
+                       batch_invariant=batch_invariant)
         return
     from safemoe import reference
     from safemoe.health import DROPPED_SLOTS
@@ -166,13 +168,15 @@ def route(
     num_valid: NumValid,
     backend: str,
     health: torch.Tensor | None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `safemoe::route` op into new outputs: (weights [T, K] float32, ids [T, K] int32).
-    `backend` is resolved ("triton" or "reference")."""
+    `backend` is resolved ("triton" or "reference"; batch_invariant needs "triton")."""
     num_tokens = logits.shape[0]
     weights = torch.empty(num_tokens, config.top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, config.top_k, dtype=torch.int32, device=logits.device)
-    args = (logits, bias, *config.op_args(), *_nv_args(num_valid, num_tokens), backend, weights, ids)
+    args = (logits, bias, *config.op_args(), *_nv_args(num_valid, num_tokens), backend, batch_invariant,
+            weights, ids)
     if health is None:
         torch.ops.safemoe.route(*args)
     else:
@@ -197,6 +201,7 @@ def experts(
     health: torch.Tensor | None,
     workspace: Workspace | None,
     fp8: Fp8Weights | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The `safemoe::experts` op into a new output [T, H] (x's dtype). `backend` is resolved; on
     "triton" without a workspace a temporary one is allocated for the call."""
@@ -214,7 +219,7 @@ def experts(
         (None, None, "", False) if fp8 is None else (fp8.w13_scale, fp8.w2_scale, fp8.mode, fp8.gate_up_split)
     )
     args = (x, w13, w2, *scales, weights, ids, activation, *_nv_args(num_valid, num_tokens), backend,
-            buffer, dims, out)
+            batch_invariant, buffer, dims, out)
     if health is None:
         torch.ops.safemoe.experts(*args)
     else:

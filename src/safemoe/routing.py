@@ -42,6 +42,7 @@ def route(
     num_valid: int | torch.Tensor | None = None,
     backend: str = "auto",
     health: torch.Tensor | None = None,
+    batch_invariant: bool = False,
     **options: Any,
 ) -> Routing:
     """Pick experts per token from router `logits` [T, E] (bf16, fp16 or fp32).
@@ -54,13 +55,17 @@ def route(
     backend: "auto" (triton on CUDA, reference elsewhere), "triton" or "reference".
     health: optional int64 counter tensor (see safemoe.health); slot NONFINITE_ROWS counts valid
         rows with a non-finite logit and PADDED_ROWS the padded rows seen.
+    batch_invariant: a valid row's weights and ids are bitwise the same whatever T, num_valid and
+        the other rows hold (one launch config for every T; backend "triton" only).
     """
     config = _checks.check_route_args(logits, top_k, bias=bias, **options)
     backend = _checks.check_backend(backend)
     nv = _checks.check_num_valid(num_valid, logits.shape[0], logits.device)
     check_health(health, logits.device)
     backend = _checks.resolve_backend(backend, logits.device)
+    _checks.check_batch_invariant(batch_invariant, backend, "route")
     if backend == "triton":
         require_triton(logits.device, "route")
-    weights, ids = ops.route(logits, config, bias=bias, num_valid=nv, backend=backend, health=health)
+    weights, ids = ops.route(logits, config, bias=bias, num_valid=nv, backend=backend, health=health,
+                             batch_invariant=batch_invariant)
     return Routing(weights=weights, ids=ids)

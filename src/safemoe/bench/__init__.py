@@ -15,6 +15,7 @@ SUITES: dict[str, str] = {
     "layer": "safemoe.bench.layer",
     "experts_fp8": "safemoe.bench.experts_fp8",
     "ep": "safemoe.bench.ep",
+    "invariance": "safemoe.bench.invariance",
 }
 
 

@@ -16,6 +16,11 @@ fp8 expert weights (`quant` = "per_tensor" or "block") have keys of their own
 (`E{E}_H{H}_I{I}_K{K}_{dtype}_fp8-{quant}`, dtype = x's) and a heuristic of their own
 (`heuristic_fp8_config`); block mode needs block_k <= 128 (one K step inside one 128-wide scale
 group), which `get_config` guarantees for what it returns.
+
+Batch-invariant mode (`batch_invariant=True`, see docs/contract.md) runs one configuration for
+every T: `batch_invariant_config`, the device file's top-level `"batch_invariant"` entry for the
+shape key (`{"batch_invariant": {"E128_H2048_I768_K8_bfloat16": {...config...}}}`) when it has
+one, else the configuration `get_config` picks for BATCH_INVARIANT_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ CONFIG_DIR = Path(__file__).parent
 # The workspace is sized for this BLOCK_M, so any configuration may use any BLOCK_M up to it.
 MAX_BLOCK_M = 128
 BLOCK_M_CHOICES = (16, 32, 64, 128)
+# Batch-invariant mode without a tuned "batch_invariant" entry uses the tiles of this many tokens
+# for every T: a mid-size batch (64 rows per expert on Qwen3-30B-A3B, E=128 K=8), between the decode
+# and prefill regimes. A guess, not a measurement: `scripts/tune_batch_invariant.py --write` times
+# candidates at T = 1..8192 against each T's own config and writes the shape's "batch_invariant"
+# entry; `safemoe bench --suite invariance` measures what the mode costs.
+BATCH_INVARIANT_TOKENS = 1024
 _CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl")
 
 
@@ -107,12 +118,15 @@ def device_file(device_name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=16)
+def _device_json(device_name: str) -> dict[str, Any]:
+    path = device_file(device_name)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=16)
 def load_device_configs(device_name: str) -> dict[str, dict[int, ExpertsConfig]]:
     """{shape key: {token bucket: config}} from the device's JSON file ({} when there is none)."""
-    path = device_file(device_name)
-    if not path.exists():
-        return {}
-    raw = json.loads(path.read_text())
+    raw = _device_json(device_name)
     table: dict[str, dict[int, ExpertsConfig]] = {}
     for key, buckets in raw.get("configs", {}).items():
         table[key] = {int(b): ExpertsConfig.from_json(cfg) for b, cfg in buckets.items()}
@@ -212,6 +226,20 @@ def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k
     if quant == "block":
         cfg = limit_block_k(cfg, 128)
     return cfg
+
+
+def batch_invariant_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                           device: torch.device, quant: str | None = None) -> ExpertsConfig:
+    """The one configuration batch-invariant mode uses for every T of these shapes: the device
+    file's "batch_invariant" entry for the shape key, else `get_config(BATCH_INVARIANT_TOKENS, ...)`.
+    No T in the arguments: that is the point."""
+    if device.type == "cuda":
+        entries = _device_json(torch.cuda.get_device_name(device)).get("batch_invariant", {})
+        entry = entries.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant))
+        if entry is not None:
+            cfg = ExpertsConfig.from_json(entry)
+            return limit_block_k(cfg, 128) if quant == "block" else cfg
+    return get_config(BATCH_INVARIANT_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
 
 
 def limit_block_k(cfg: ExpertsConfig, max_block_k: int) -> ExpertsConfig:

@@ -374,6 +374,8 @@ class EPMoE(MoE):
     forward(x [..., H], num_valid) -> [..., H]; rows at or past num_valid come out as exact zeros.
     """
 
+    _supports_batch_invariant = False
+
     def __init__(
         self,
         hidden_size: int,

@@ -16,7 +16,10 @@ Both GEMMs run persistent grids (at most `programs_per_sm` programs per SM) that
 function of T alone (CUDA-graph safe) and the work a function of num_valid. An M-block's expert is
 the number of experts whose inclusive block end is <= the block index. Results are deterministic:
 each output row depends on its own input row and the same K-loop order whatever its position, and
-the combine is an ordered reduction. Addresses that are products of a row and a row length use
+the combine is an ordered reduction. With `batch_invariant` one configuration serves every T and
+the small-batch switch is off, so a valid row's bits depend on nothing but its own inputs (the
+tiles fix each output's K-loop order and MMA shape; the grid only decides which program runs a
+tile). Addresses that are products of a row and a row length use
 int64 (T*K*H and capacity*I can pass 2^31).
 
 Activations (gate g, up u, fp32): silu g*sigmoid(g)*u; gelu (tanh form) 0.5*g*(1+tanh(...))*u;
@@ -34,11 +37,17 @@ import triton.language as tl
 
 from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
-from safemoe.configs import ExpertsConfig, GemmTiles, get_config
+from safemoe.configs import ExpertsConfig, GemmTiles, batch_invariant_config, get_config
 from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
-from safemoe.kernels.launch import launch_options, pdl_supported, persistent_grid, wait_for_previous_kernel
+from safemoe.kernels.launch import (
+    launch_options,
+    pdl_supported,
+    persistent_grid,
+    rowwise_product,
+    wait_for_previous_kernel,
+)
 from safemoe.numerics import FP8_BLOCK, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from safemoe.workspace import Fp8Views, Workspace, WorkspaceViews, max_m_blocks, num_bins
 
@@ -121,13 +130,20 @@ def _group_scale(a_scale_rows_ptr, row_ok, k, BLOCK_K: tl.constexpr, QUANT: tl.c
 
 @triton.jit
 def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-         DOT_PRECISION: tl.constexpr):
+         DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
     """acc + a @ b. Block mode: the K step's product is scaled by its activation-group scale
     (rows) times its 128x128 weight-block scale (columns) before it is added, DeepSeek-V3's
-    promotion of each 128-wide partial sum into the fp32 accumulator."""
+    promotion of each 128-wide partial sum into the fp32 accumulator. ROWWISE (interpreter,
+    batch-invariant): the product is `rowwise_product` (see kernels/launch.py)."""
     if QUANT == 2:
         w_scale = tl.load(w_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK)
-        return acc + tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
+        if ROWWISE:
+            product = rowwise_product(a, b)
+        else:
+            product = tl.dot(a, b)
+        return acc + product * (a_scale[:, None] * w_scale[None, :])
+    elif ROWWISE:
+        return acc + rowwise_product(a, b)
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
@@ -180,6 +196,7 @@ def _gemm1_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
 ):
     wait_for_previous_kernel(USE_PDL)
     num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
@@ -216,8 +233,10 @@ def _gemm1_kernel(
                 g = _operand(w13_arg.load([gate_row, k * BLOCK_K]), UPCAST)
                 u = _operand(w13_arg.load([gate_row + inter, k * BLOCK_K]), UPCAST)
                 a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc_gate = _mma(acc_gate, a, g.T, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
-                acc_up = _mma(acc_up, a, u.T, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
+                acc_gate = _mma(acc_gate, a, g.T, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
+                                ROWWISE)
+                acc_up = _mma(acc_up, a, u.T, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
+                              ROWWISE)
                 a_ptrs += BLOCK_K
         else:
             gate_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
@@ -236,8 +255,9 @@ def _gemm1_kernel(
                 g = _operand(g, UPCAST)
                 u = _operand(u, UPCAST)
                 a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc_gate = _mma(acc_gate, a, g, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
-                acc_up = _mma(acc_up, a, u, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
+                acc_gate = _mma(acc_gate, a, g, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
+                                ROWWISE)
+                acc_up = _mma(acc_up, a, u, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
                 a_ptrs += BLOCK_K
                 gate_ptrs += BLOCK_K
                 up_ptrs += BLOCK_K
@@ -281,6 +301,7 @@ def _gemm2_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
 ):
     wait_for_previous_kernel(USE_PDL)
     num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
@@ -309,7 +330,7 @@ def _gemm2_kernel(
                 a = _operand(a, UPCAST)
                 b = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
                 a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
+                acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
                 a_ptrs += BLOCK_K
         else:
             b_ptrs = w2_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
@@ -324,7 +345,7 @@ def _gemm2_kernel(
                 a = _operand(a, UPCAST)
                 b = _operand(b, UPCAST)
                 a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION)
+                acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
         acc = _dequantize(acc, a_scale_rows, row_ok, w_scales, QUANT)
@@ -410,7 +431,8 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
                cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
-               use_pdl: bool = False, fp8: Fp8Operands | None = None) -> None:
+               use_pdl: bool = False, fp8: Fp8Operands | None = None,
+               rowwise: bool = False) -> None:
     """GEMM1 over the layout whose M-block count is views.num_blocks[layout] (0: main, 1: small
     batch); the grid covers the M-blocks `max_tokens` (default T) tokens can produce. With fp8,
     x is ignored for its quantised rows in fp8.views (w13 is the fp8 weights)."""
@@ -440,14 +462,15 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         EVEN_K=hidden % tiles.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
-        USE_TMA=_use_tma(w13, tiles), USE_PDL=use_pdl,
+        USE_TMA=_use_tma(w13, tiles), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
 
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
                cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
-               use_pdl: bool = False, fp8: Fp8Operands | None = None) -> None:
+               use_pdl: bool = False, fp8: Fp8Operands | None = None,
+               rowwise: bool = False) -> None:
     """GEMM2 over the layout views.num_blocks[layout] counts (see gemm1_into); with fp8 its A rows
     are the quantised intermediate in fp8.views."""
     num_experts, hidden, inter = w2.shape
@@ -471,7 +494,7 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         EVEN_K=inter % tiles.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
-        USE_TMA=_use_tma(w2, tiles), USE_PDL=use_pdl,
+        USE_TMA=_use_tma(w2, tiles), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
 
@@ -515,6 +538,7 @@ def experts_triton(
     config: ExpertsConfig | None = None,
     small_config: ExpertsConfig | None = None,
     fp8: Fp8Weights | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Expert MLPs with the Triton kernels; arguments already validated by `safemoe.experts`.
 
@@ -528,6 +552,11 @@ def experts_triton(
     launched for both, and the pair that dispatch did not pick finds no M-block and returns. So
     results are a deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS), and a row's bits
     do not depend on what padding rows hold.
+
+    batch_invariant: one configuration for every T and no small-batch switch, so a valid row's
+    output is bitwise the same whatever T, num_valid and the other rows hold. The configuration is
+    `config` when given (the caller then passes the same one for every T), else
+    `safemoe.configs.batch_invariant_config` for the shapes; a `small_config` is an error.
 
     fp8 (w13, w2 float8_e4m3fn with `fp8`'s scales; x bf16/fp16; the workspace needs fp8
     buffers): x's rows < num_valid are quantised first (kernels/act_quant.py: per token, or 1x128
@@ -550,9 +579,15 @@ def experts_triton(
         )
     _check_fp8_config(config, fp8)
     _check_fp8_config(small_config, fp8)
+    if batch_invariant and small_config is not None:
+        raise ValueError("small_config switches tiles by num_valid; batch_invariant=True runs one config for "
+                         "every batch (pass config= alone)")
     if num_tokens == 0:
         return out
-    if config is None:
+    if batch_invariant:
+        if config is None:
+            config = batch_invariant_config(num_experts, hidden, inter, top_k, x.dtype, x.device, quant)
+    elif config is None:
         config = get_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device, quant)
         small_config = small_batch_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device,
                                           config, quant)
@@ -574,7 +609,8 @@ def experts_triton(
         quantize_rows_into(x, operands.views.x, operands.views.x_scale, group or hidden, num_valid,
                            use_pdl=use_pdl)
     dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small, use_pdl=use_pdl)
-    gemm1_into(x, w13, views, top_k, activation, config, use_pdl=use_pdl, fp8=operands)
+    rowwise = batch_invariant and interpreter_enabled()
+    gemm1_into(x, w13, views, top_k, activation, config, use_pdl=use_pdl, fp8=operands, rowwise=rowwise)
     if small_config is not None:
         gemm1_into(x, w13, views, top_k, activation, small_config, layout=1, max_tokens=small_tokens,
                    use_pdl=use_pdl, fp8=operands)
@@ -588,7 +624,7 @@ def experts_triton(
         quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
                                 operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
                                 small_block_m, positions, use_pdl=use_pdl)
-    gemm2_into(w2, weights, views, num_tokens, top_k, config, use_pdl=use_pdl, fp8=operands)
+    gemm2_into(w2, weights, views, num_tokens, top_k, config, use_pdl=use_pdl, fp8=operands, rowwise=rowwise)
     if small_config is not None:
         gemm2_into(w2, weights, views, num_tokens, top_k, small_config, layout=1, max_tokens=small_tokens,
                    use_pdl=use_pdl, fp8=operands)

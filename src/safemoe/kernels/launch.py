@@ -1,5 +1,6 @@
 """Launch helpers every kernel module shares: reading `num_valid` on the device, programmatic
-dependent launch (PDL), and the SM count that sizes persistent grids."""
+dependent launch (PDL), the SM count that sizes persistent grids, and the interpreter's
+position-independent product for batch-invariant mode."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR
         return count.to(tl.int32)
     else:
         return num_valid_count
+
+
+@triton.jit
+def rowwise_product(a, b):
+    """a [M, K] @ b [K, N] in fp32 as a broadcast product summed over K, for the Triton interpreter
+    in batch-invariant mode. The interpreter's tl.dot is numpy's matmul, and OpenBLAS's sgemm (numpy
+    2.4, OpenBLAS 0.3.31, Haswell kernels) gives a row other bits at other positions of the same
+    tile: with one row placed at each of the 32 positions of a [32, 32] @ [32, 32] product, rows
+    6-11 and 18-31 differed from row 0 in 11 or 12 of 32 outputs. A GPU MMA computes every output
+    alone, so the GEMMs there keep tl.dot; numpy's sum over a middle axis adds the K terms one
+    after another for every output, wherever its row sits."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
 def pdl_supported() -> bool:

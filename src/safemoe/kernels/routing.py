@@ -29,6 +29,11 @@ How (everything in registers, one program per BLOCK_T rows, rows past num_valid 
 5. Top-K: K passes of "max, then the lowest column holding it, then mark it DEAD". The max is
    over live columns only and each pass kills exactly one live column, so the K ids are distinct,
    in [0, E), in the reference's total order (larger score first, ties to the lower index).
+Batch invariance: a row's arithmetic is its own (row-wise reductions), but how a row is spread
+over lanes, and so the order of the float sums (softmax denominator, renormalisation), follows the
+[BLOCK_T, E_PAD] tile and num_warps, which the shipped pick varies with T. With `batch_invariant`
+the launch config is `batch_invariant_router_config`, one for every T of a shape.
+
 6. Weights: the unbiased scores of the picked experts (decoded from the ordered image, or
    recomputed from the cached logits when a bias moved the selection), renormalised in fp32 with
    a zero floor, times routed_scaling_factor.
@@ -344,6 +349,15 @@ def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
     return RouterConfig(block_t=min(block_t, cap), num_warps=num_warps)
 
 
+def batch_invariant_router_config(num_experts: int, top_k: int, elem_size: int,
+                                  grouped: bool = False) -> RouterConfig:
+    """The launch config batch-invariant mode uses for every T: the pick for
+    BATCH_INVARIANT_TOKENS tokens (its block_t is never capped by a smaller T)."""
+    from safemoe.configs import BATCH_INVARIANT_TOKENS
+
+    return _pick_config(BATCH_INVARIANT_TOKENS, num_experts, top_k, elem_size, grouped)
+
+
 def candidate_configs(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
                       grouped: bool = False) -> list[RouterConfig]:
     """The configs the bench's tuning sweep times for one shape (the shipped pick first): 1 to 8
@@ -388,12 +402,14 @@ def launch_router(
     config: RouterConfig | None = None,
     sanitize: bool = True,
     padding: bool = True,
+    batch_invariant: bool = False,
 ) -> None:
     """Launch the router kernel into `weights_out` / `ids_out` with no checks at all: what
     `route_into` runs after its checks, plus the knobs the bench and tests turn. `config`: a
     launch config (default: the shipped pick for the shape, see `candidate_configs`);
     `sanitize=False` / `padding=False` build the kernel without NaN sanitising / num_valid
-    handling (what those cost; such a kernel is not safe on garbage or padded rows)."""
+    handling (what those cost; such a kernel is not safe on garbage or padded rows);
+    `batch_invariant`: without a `config`, the one config of every T (see the module docstring)."""
     num_tokens, num_experts = logits.shape
     if num_tokens == 0:
         return
@@ -401,7 +417,9 @@ def launch_router(
         raise ValueError(f"logits has T={num_tokens} rows; the router supports T < 2^31 - 2^20")
     top_k = args.top_k
     grouped = args.n_group is not None and args.n_group > 1
-    if config is None:
+    if config is None and batch_invariant:
+        config = batch_invariant_router_config(num_experts, top_k, logits.element_size(), grouped)
+    elif config is None:
         config = _pick_config(num_tokens, num_experts, top_k, logits.element_size(), grouped)
     n_group = args.n_group if grouped else 1
     topk_group = args.topk_group if grouped else 1
@@ -441,6 +459,7 @@ def route_into(
     health: torch.Tensor | None,
     weights_out: torch.Tensor,
     ids_out: torch.Tensor,
+    batch_invariant: bool = False,
 ) -> None:
     """Route into preallocated `weights_out` [T, K] float32 and `ids_out` [T, K] int32.
 
@@ -452,7 +471,7 @@ def route_into(
     if health is not None and health.numel() < HEALTH_SLOTS:
         raise ValueError(f"health must hold {HEALTH_SLOTS} int64 counters, got {health.numel()}")
     launch_router(logits, args, bias=bias, num_valid=num_valid, health=health,
-                  weights_out=weights_out, ids_out=ids_out)
+                  weights_out=weights_out, ids_out=ids_out, batch_invariant=batch_invariant)
 
 
 

@@ -6,6 +6,7 @@ from safemoe.check.cases import (  # noqa: F401
     dispatch,
     e2e,
     graphs,
+    invariance,
     padding,
     routing,
 )
