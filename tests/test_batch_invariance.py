@@ -187,7 +187,13 @@ def test_experts_config_decides_the_bits(device):
     """Why one config: the same rows under two tile configs (the K loop in 16- vs 64-wide steps,
     as a decode and a prefill config may differ) do not agree bitwise, so a config chosen by T
     makes a row's bits depend on T. (On a GPU the default configs of T = 1 and T = 8192 differ
-    like this: see test_default_configs_differ_across_t.)"""
+    like this: see test_default_configs_differ_across_t.)
+
+    CPU only: on an H100 (2026-11-24) these two fp32 configs gave the same bits, since the GPU's
+    fp32 dot is one FMA chain in K order whatever BLOCK_K cuts it into; there the variance comes
+    from the MMA shape (BLOCK_M) and the small-batch switch, which the flag also removes."""
+    if device.type == "cuda":
+        pytest.skip("the K-step split does not change fp32 bits on a GPU (measured; see the docstring)")
     gen = torch.Generator().manual_seed(4)
     shape = (4, 2, 256, 32)
     w13, w2 = _expert_weights(shape, torch.float32, device, gen)
