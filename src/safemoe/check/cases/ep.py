@@ -19,7 +19,9 @@ few cases.
 Inputs are multiples of 1/8 (x and router weights), so router logits are exact in fp32 whatever
 the summation order and the padded per-rank batch routes exactly as the concatenated batch (as in
 tests/test_distributed.py). Ranks make every collective of a case before any assertion, so one
-rank's failure cannot leave the others waiting. `--plugin` files are imported in every rank too
+rank's failure cannot leave the others waiting. With --quick on CPU the triton backend's cases
+are n/a (the reference runs the same exchange; interpreted kernels in two spawned ranks cost
+~15 s a case); the CPU scale runs them. `--plugin` files are imported in every rank too
 (a plugin may patch what the ranks run). On CUDA with fewer GPUs than ranks: n/a, with the count.
 """
 
@@ -90,6 +92,11 @@ def _run_group(ctx: CaseContext, check: str, params: dict[str, Any]) -> None:
     backend = ctx.api.module_backend
     if backend is None:
         raise NotApplicable(f"{ctx.api.name} has no safemoe.MoE backend to run EPMoE with")
+    if backend == "triton" and ctx.scale == 0 and not ctx.cuda:
+        raise NotApplicable(
+            "--quick on CPU runs EP on the reference only: the exchange is the same code, and the "
+            "interpreted kernels in spawned ranks cost ~15 s a case (the CPU scale runs them)"
+        )
     world = params["world"]
     spec = RankSpec(check, dict(params), case_seed(ctx.seed, f"{ctx.case_name}#{ctx.index}"), backend,
                     ctx.device.type, ctx.scale, tuple(LOADED_PLUGINS))  # fmt: skip
