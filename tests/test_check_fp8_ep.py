@@ -180,7 +180,9 @@ EP_FAULTS = {
 }
 
 
-def _ep_case_with_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str, check: str) -> CaseResult:
+def _ep_case_with_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str, check: str
+) -> CaseResult:
     plugin = tmp_path / f"ep_fault_{fault}.py"
     plugin.write_text(textwrap.dedent(EP_FAULTS[fault]))
     monkeypatch.setattr(worker, "LOADED_PLUGINS", [str(plugin)])

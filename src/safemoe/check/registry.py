@@ -34,7 +34,7 @@ FAMILY_DOCS = {
     "graphs": "CUDA graph captured once, replayed with num_valid changed in place, NaN injected between",
     "e2e": "safemoe.MoE and a transformers block patched by safemoe, on NaN-poisoned padding",
     "fp8": "fp8 experts, per_tensor and block: NaN/Inf rows isolated, padding never quantised, bad ids",
-    "ep": "EPMoE over spawned ranks (gloo/NCCL): ragged counts, an empty rank, NaN padding, stale ids, overflow",
+    "ep": "EPMoE over spawned ranks (gloo/NCCL): ragged, an empty rank, NaN padding, stale ids, overflow",
 }
 
 

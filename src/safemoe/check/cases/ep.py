@@ -125,13 +125,13 @@ def ragged(ctx: CaseContext, **p: Any) -> None:
 
 @case("ep.stale_ids", ops=("experts",), params=_world_params)
 def stale_ids(ctx: CaseContext, **p: Any) -> None:
-    """ep_experts: -1/-7/E/123456789/duplicate ids in valid rows dropped and counted; stale padded rows never sent"""
+    """ep_experts: -1/-7/E/123456789/duplicate ids in valid rows dropped and counted; stale padding unsent"""
     _run_group(ctx, "stale_ids", p)
 
 
 @case("ep.capacity_overflow", ops=("moe",), params=_world_params)
 def capacity_overflow(ctx: CaseContext, **p: Any) -> None:
-    """EPMoE capacity mode, C = 1 and 2: overflowed slots dropped by the policy and counted, the rest intact"""
+    """EPMoE capacity mode, C = 1 and 2: overflowed slots dropped by the policy, counted, the rest intact"""
     _run_group(ctx, "capacity_overflow", p)
 
 
@@ -202,7 +202,13 @@ def _collect(problems: list[str], fn: Any, *args: Any) -> None:
 
 def _ragged(r: _Rank, fill: str) -> list[str]:
     from safemoe.distributed import EPMoE, pad_to_common_bucket
-    from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
+    from safemoe.health import (
+        DROPPED_SLOTS,
+        EP_OVERFLOW_SLOTS,
+        NONFINITE_ROWS,
+        PADDED_ROWS,
+        new_health_tensor,
+    )
 
     moe = r.moe()
     x_pad, nv = pad_to_common_bucket(r.x_own, r.n, buckets=BUCKETS, fill=PAD_FILLS[fill])
@@ -259,14 +265,16 @@ def _stale_ids(r: _Rank) -> list[str]:
                          num_valid=torch.tensor(r.n, device=r.device), health=health,
                          backend=r.spec.backend)  # fmt: skip
         results[(mode, cap)] = (out, health.tolist())
-    want = safemoe.experts(x, moe.w13.detach(), moe.w2.detach(), routing, num_valid=r.n, backend=r.spec.backend)
+    want = safemoe.experts(x, moe.w13.detach(), moe.w2.detach(), routing, num_valid=r.n,
+                           backend=r.spec.backend)  # fmt: skip
     want_dropped = int(dropped[: r.n].sum())
     problems: list[str] = []
-    for (mode, cap), (out, health) in results.items():
+    for (mode, cap), (out, counted) in results.items():
         what = f"counts {r.counts}, {mode}" + ("" if cap is None else f" C={cap}")
-        _collect(problems, expect_close, out[: r.n], want[: r.n], f"{what}: real rows vs single-process experts")
+        _collect(problems, expect_close, out[: r.n], want[: r.n],
+                 f"{what}: real rows vs single-process experts")  # fmt: skip
         _collect(problems, expect_zero_rows, out, r.n, what)
-        problems += _health_problems(health, {DROPPED_SLOTS: want_dropped, EP_OVERFLOW_SLOTS: 0}, what)
+        problems += _health_problems(counted, {DROPPED_SLOTS: want_dropped, EP_OVERFLOW_SLOTS: 0}, what)
     return problems
 
 
@@ -310,15 +318,17 @@ def _capacity_overflow(r: _Rank) -> list[str]:
         weights, ids = moe.gate(r.x_own, check_num_valid(None, r.n, r.device))
     per_rank = r.experts // r.world
     problems: list[str] = []
-    for cap, (out, health) in results.items():
+    for cap, (out, counted) in results.items():
         what = f"counts {r.counts}, capacity {cap}"
         kept, overflow = expected_overflow(ids.cpu(), r.n, cap, per_rank, r.world, r.experts)
         with torch.no_grad():
-            want = safemoe.experts(r.x_own, moe.w13.detach(), moe.w2.detach(),
-                                   Routing(weights=weights, ids=kept.to(r.device)), backend=r.spec.backend)  # fmt: skip
-        _collect(problems, expect_close, out[: r.n], want, f"{what}: real rows vs overflowed slots dropped")
+            routing = Routing(weights=weights, ids=kept.to(r.device))
+            want = safemoe.experts(r.x_own, moe.w13.detach(), moe.w2.detach(), routing,
+                                   backend=r.spec.backend)  # fmt: skip
+        _collect(problems, expect_close, out[: r.n], want,
+                 f"{what}: real rows vs overflowed slots dropped")  # fmt: skip
         _collect(problems, expect_zero_rows, out, r.n, what)
-        problems += _health_problems(health, {EP_OVERFLOW_SLOTS: overflow, DROPPED_SLOTS: 0}, what)
+        problems += _health_problems(counted, {EP_OVERFLOW_SLOTS: overflow, DROPPED_SLOTS: 0}, what)
     return problems
 
 

@@ -91,13 +91,22 @@ def _run(ctx: CaseContext, prob: dict[str, Any], x: torch.Tensor, weights: torch
                            w2_scale=prob["w2_scale"], **kwargs)  # fmt: skip
 
 
-def _expect_fp8_close(ctx: CaseContext, out: torch.Tensor, prob: dict[str, Any], x: torch.Tensor,
-                      weights: torch.Tensor, ids: torch.Tensor, rows: list[int], n: int, what: str) -> None:  # fmt: skip
+def _expect_fp8_close(
+    ctx: CaseContext,
+    out: torch.Tensor,
+    prob: dict[str, Any],
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    rows: list[int],
+    n: int,
+    what: str,
+) -> None:
     """out[rows] against the fp8 reference (rows < n valid): relative Frobenius error and worst
     element within the measured bounds."""
     ref = experts_fp8_reference(
-        x.to(ctx.device), prob["w13"], prob["w2"], prob["w13_scale"], prob["w2_scale"], weights.to(ctx.device),
-        ids.to(ctx.device), num_valid=NumValid(n, None),
+        x.to(ctx.device), prob["w13"], prob["w2"], prob["w13_scale"], prob["w2_scale"],
+        weights.to(ctx.device), ids.to(ctx.device), num_valid=NumValid(n, None),
     )  # fmt: skip
     got, want = out.detach().cpu()[rows].double(), ref.detach().cpu()[rows].double()
     if not bool(torch.isfinite(got).all()):
@@ -141,7 +150,7 @@ def nonfinite_rows(ctx: CaseContext, **p: Any) -> None:
     dirty_out = _run(ctx, prob, dirty, weights, ids, num_valid=nv)
     others = [r for r in range(n) if r not in bad_rows]
     expect_bitwise(dirty_out[others], clean_out[others],
-                   f"{mode}: rows without {p['bad']}, beside rows with it vs the same rows finite")  # fmt: skip
+                   f"{mode}: rows without {p['bad']} beside rows with it vs those rows finite")  # fmt: skip
     poisoned = dirty_out.detach().cpu()[bad_rows]
     if not bool(poisoned.isnan().all()):
         row = bad_rows[int(torch.nonzero(~poisoned.isnan().all(dim=1))[0])]
@@ -155,7 +164,8 @@ def nonfinite_rows(ctx: CaseContext, **p: Any) -> None:
 
 def _padding_params(plan: Plan) -> list[dict[str, Any]]:
     rows = plan.pairs(mode=QUANT_MODES, dtype=_dtypes(plan))
-    return plan.cross(rows, fill=plan.choose(("nan", "stale"), PAD_FILLS, PAD_FILLS), num_valid=NUM_VALID_FORMS)
+    fills = plan.choose(("nan", "stale"), PAD_FILLS, PAD_FILLS)
+    return plan.cross(rows, fill=fills, num_valid=NUM_VALID_FORMS)
 
 
 def _workspace(ctx: CaseContext, prob: dict[str, Any], num_rows: int, dtype: torch.dtype) -> Workspace | None:
@@ -216,7 +226,7 @@ def padding(ctx: CaseContext, **p: Any) -> None:
         scales = views.x_scale[n:].cpu()
         if bool((scales != SCALE_SENTINEL).any()):
             row = n + int(torch.nonzero(scales != SCALE_SENTINEL)[0, 0])
-            raise CheckFailure(f"{mode}: the activation scale of padded row {row} was written (padding {fill})")
+            raise CheckFailure(f"{mode}: the activation scale of padded row {row} was written ({fill})")
     _expect_fp8_close(ctx, dirty, prob, x, weights, ids, list(range(n)), n, f"{mode}: real rows")
 
 
@@ -233,7 +243,7 @@ def bad_ids(ctx: CaseContext, **p: Any) -> None:
     prob = _problem(ctx, mode)
     n, num_padded = ctx.choose(8, 8, 40), 4
     num_rows = n + num_padded
-    num_experts, top_k = prob["E"], prob["K"]
+    num_experts = prob["E"]
     x = tokens(num_rows, prob["H"], ctx.generator).to(dtype)
     x[n:] = math.nan
     weights, ids = _routing(num_rows, prob, ctx)
@@ -256,4 +266,4 @@ def bad_ids(ctx: CaseContext, **p: Any) -> None:
     if counter is not None:
         want, got = int(dropped[:n].sum()), int(counter[DROPPED_SLOTS])
         if got != want:
-            raise CheckFailure(f"{mode}: health[DROPPED_SLOTS] is {got}, expected {want} dropped slots on valid rows")
+            raise CheckFailure(f"{mode}: health[DROPPED_SLOTS] is {got}, expected {want}")
