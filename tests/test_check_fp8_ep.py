@@ -227,3 +227,21 @@ def test_ep_needs_a_gpu_per_rank_on_cuda() -> None:
     ctx = CaseContext(api=adapter, device=torch.device("cuda"), seed=0, scale=2, case_name=case.name)
     with pytest.raises(NotApplicable, match=r"needs 4 GPUs \(one per rank\), found"):
         case.fn(ctx, world=4, fill="nan")
+
+
+def test_ep_case_runs_in_a_worker_process(tmp_path: Path) -> None:
+    """Through the worker pool: the ranks a case spawns re-import the worker's entry module, which
+    must not start a second worker reading the jobs on the inherited stdin (that hung the run)."""
+    import json
+    import subprocess
+    import sys
+
+    out_json = tmp_path / "ep.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "safemoe", "check", "--device", "cpu", "--quick", "--only", "ep.stale_ids",
+         "--backend", "reference", "--peers", "none", "--jobs", "1", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out_json.read_text())
+    assert [r["status"] for r in report["results"]] == ["passed"]

@@ -45,8 +45,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PAD_FILLS = {"nan": math.nan, "inf": math.inf}
 # NVLink multicast stays off (KINDS.md of the GPU machines; NCCL's NVLS needs it).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-COLLECTIVE_TIMEOUT_S = 60.0
-JOIN_TIMEOUT_S = 240.0
+# A collective waiting longer fails the case instead of hanging it. On CUDA a rank may wait while
+# its peer compiles the expert kernels (tens of seconds on a cold Triton cache); the join timeout
+# stays under the runner's 300 s per case on CUDA.
+COLLECTIVE_TIMEOUT_S = {"cpu": 60.0, "cuda": 150.0}
+JOIN_TIMEOUT_S = {"cpu": 240.0, "cuda": 280.0}
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,11 @@ def _run_group(ctx: CaseContext, check: str, params: dict[str, Any]) -> None:
             raise NotApplicable(f"NCCL with {world} ranks needs {world} GPUs (one per rank), found {found}")
         for name, value in NO_MULTICAST.items():
             os.environ.setdefault(name, value)
-        results = spawn(_rank_main, world, spec, backend="nccl", timeout_s=COLLECTIVE_TIMEOUT_S,
-                        join_timeout_s=JOIN_TIMEOUT_S, env=NO_MULTICAST)  # fmt: skip
+        results = spawn(_rank_main, world, spec, backend="nccl", timeout_s=COLLECTIVE_TIMEOUT_S["cuda"],
+                        join_timeout_s=JOIN_TIMEOUT_S["cuda"], env=NO_MULTICAST)  # fmt: skip
     else:
-        results = spawn(_rank_main, world, spec, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S,
-                        join_timeout_s=JOIN_TIMEOUT_S)  # fmt: skip
+        results = spawn(_rank_main, world, spec, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S["cpu"],
+                        join_timeout_s=JOIN_TIMEOUT_S["cpu"])  # fmt: skip
     failures = [f"rank {rank}: {message}" for rank, messages in enumerate(results) for message in messages]
     if failures:
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
