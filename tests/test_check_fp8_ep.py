@@ -245,3 +245,45 @@ def test_ep_case_runs_in_a_worker_process(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out_json.read_text())
     assert [r["status"] for r in report["results"]] == ["passed"]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the CUDA-scale grids (fp8 on one GPU; ep on NCCL groups, one GPU per rank)
+# ------------------------------------------------------------------------------------------------
+
+
+def _cuda_cases(family: str, backend: str) -> list[CaseResult]:
+    from safemoe.check.worker import indexed_device
+
+    device = indexed_device(torch.device("cuda"))
+    adapter = adapters.make_adapter(backend, device)
+    assert adapter.installed and adapter.available, adapter.reason
+    results = []
+    for case in select_cases([family]):
+        grid = case.grid(2, device)
+        for index in range(len(grid)):
+            results.append(run_case(case, adapter, index, grid[index], seed=0, scale=2))
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_family_on_cuda(backend: str) -> None:
+    """Every CUDA-scale fp8 case (96: both modes, bf16/fp16, every fill and num_valid form)."""
+    results = _cuda_cases("fp8", backend)
+    failed = [f"{r.check}#{r.case} [{r.params}]: {r.message}" for r in results if r.status != "passed"]
+    assert not failed, "\n".join(failed[:10])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ep_family_on_cuda(backend: str) -> None:
+    """NCCL groups of 2 ranks pass; groups of 4 pass with 4 GPUs and are n/a (with the count) below."""
+    results = _cuda_cases("ep", backend)
+    for r in results:
+        four = r.params.startswith("world=4")
+        if four and torch.cuda.device_count() < 4:
+            assert r.status == "n/a" and "needs 4 GPUs" in r.message, r
+        else:
+            assert r.status == "passed", f"{r.check}#{r.case} [{r.params}]: {r.message}"
