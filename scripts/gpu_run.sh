@@ -6,7 +6,7 @@
 #   bash scripts/gpu_run.sh OUT_DIR
 #
 # Environment:
-#   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,soak,bench)
+#   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,soak,bench,serving)
 #   SOAK_REPLAYS / SOAK_TIMEOUT  replays of the soak stage (default 100000) and its limit (300 s)
 #   BENCH_SUITES    suites for the bench stage (default: all)
 #   QUICK=1         smaller bench and per-stage time limits that fit a 7-minute call
@@ -14,10 +14,13 @@
 #   PYTEST_TARGETS  what pytest collects (default: tests)
 #   PYTEST_ARGS     extra pytest arguments (e.g. "-k router")
 #   BENCH_SUITE_TIMEOUT  seconds allowed per bench suite (default: no limit of its own)
+#   SERVING_TIMEOUT / SERVING_ARGS  limit of the serving stage (420 s) and extra arguments of
+#                   `python -m safemoe.bench.serving` (e.g. "--layers 8 --concurrency 1,64,256")
 #
 # A failing stage is recorded and the later stages still run. Writes OUT_DIR/{tests,sanitize,
-# bench}.log, OUT_DIR/bench/, OUT_DIR/summary.txt and OUT_DIR/results.tar.gz (all of it in one
-# file), prints the summary last, and exits non-zero if any stage failed.
+# bench,serving}.log, OUT_DIR/bench/, OUT_DIR/serving/, OUT_DIR/summary.txt and
+# OUT_DIR/results.tar.gz (all of it in one file), prints the summary last, and exits non-zero if
+# any stage failed. Only the serving stage: GPU_RUN_STAGES=serving bash scripts/gpu_run.sh OUT_DIR
 set -u
 
 OUT_DIR=${1:?usage: scripts/gpu_run.sh OUT_DIR}
@@ -26,7 +29,8 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$(dirname "$0")/.."
 
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-STAGES=${GPU_RUN_STAGES:-tests,sanitize,soak,bench}
+STAGES=${GPU_RUN_STAGES:-tests,sanitize,soak,bench,serving}
+SERVING_TIMEOUT=${SERVING_TIMEOUT:-420}
 SOAK_TIMEOUT=${SOAK_TIMEOUT:-300}
 SOAK_REPLAYS=${SOAK_REPLAYS:-100000}
 QUICK=${QUICK:-0}
@@ -133,9 +137,36 @@ EOF
     tail -n 8 "$OUT_DIR/bench.log"
 fi
 
+if has_stage serving; then
+    echo "== serving (limit ${SERVING_TIMEOUT} s) =="
+    # transformers' continuous batching with CUDA graphs, stock grouped_mm vs safemoe, NaN in the
+    # padded rows of every attention output (safemoe/bench/serving.py says what each column means).
+    args=(--out "$OUT_DIR/serving")
+    [ "$QUICK" = "1" ] && args+=(--quick)
+    timeout --kill-after=15 "$SERVING_TIMEOUT" python3 -m safemoe.bench.serving "${args[@]}" ${SERVING_ARGS:-} \
+        > "$OUT_DIR/serving.log" 2>&1
+    rc=$?
+    detail=$(python3 - "$OUT_DIR/serving/serving.json" <<'EOF' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+x = [r["speedup"] for r in rows if r["speedup"]]
+m = [r["safemoe"] for r in rows]
+same = all(s["tokens_identical_under_nan"] and s["logits_bitwise_identical_under_nan"] for s in m)
+parts = [f"safemoe/stock tok/s {min(x):.2f}..{max(x):.2f}x" if x else "no tok/s ratio",
+         f"padded rows skipped: {all(r['padded_rows_skipped'] for r in rows)}",
+         f"safemoe non-finite logit rows {sum(sum(s['nonfinite_logit_rows'].values()) for s in m)}",
+         f"safemoe bitwise same under NaN: {same}",
+         f"errors {sum(len(r['stock']['errors']) + len(r['safemoe']['errors']) for r in rows)}"]
+print("; ".join(parts))
+EOF
+)
+    record serving "$rc" "${detail:-no serving.json}"
+    tail -n 30 "$OUT_DIR/serving.log"
+fi
+
 {
     echo "safemoe gpu_run summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $DEVICE)"
-    for stage in tests sanitize soak bench; do
+    for stage in tests sanitize soak bench serving; do
         if has_stage "$stage"; then echo "  $stage: ${RESULT[$stage]:-not recorded}"; else echo "  $stage: not run"; fi
     done
     if has_stage tests && [ -f "$OUT_DIR/tests.log" ]; then

@@ -423,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
             "- **experts_implementation**: `experts_implementation=\"safemoe\"` (the model's router, "
             "safemoe's experts); a family whose experts modules fall back to transformers' grouped_mm "
             "is a miss, with the reason.\n"
-            "- **fp8**: fine-grained fp8 experts through safemoe: not checked yet. **tested on GPU**: "
-            "not yet (CPU only).\n\n"
+            "- **fp8**: this column is not filled yet. fp8 checkpoints (transformers' `FP8Experts`, "
+            "128x128 blocks) through `patch()` are tested for Qwen3-MoE, DeepSeek-V3 and Qwen3-Next "
+            "in `tests/test_fp8_checkpoints.py` (see docs/fp8.md). **tested on GPU**: not yet (CPU only)."
+            "\n\n"
         )
         with open(args.out, "w") as f:
             f.write(header + text + "\n")

@@ -123,7 +123,7 @@ def _pdl(num_tokens: int) -> bool:
     # Programmatic dependent launch overlaps each launch with the previous kernel's tail: worth it
     # where launches are a visible share (run 1 on an H200 picked it at most decode points, and
     # it was within noise elsewhere), so every decode candidate uses it, none of the others.
-    from safemoe.kernels.dispatch import pdl_supported
+    from safemoe.kernels.launch import pdl_supported
 
     return num_tokens <= PDL_MAX_TOKENS and pdl_supported()
 

@@ -205,7 +205,13 @@ def config(family: str):
         kwargs.pop("head_dim", None)
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     kwargs.update(spec.fields)
-    built = config_cls(**kwargs)
+    try:
+        built = config_cls(**kwargs)
+    except (ValueError, TypeError) as exc:  # StrictDataclass validation errors are ValueErrors
+        if "layer type" in str(exc):
+            # e.g. Qwen4-Exp's "indexed_attention" layers, which transformers 5.17 does not know
+            pytest.skip(f"transformers {transformers.__version__} rejects {family}'s tiny config: {exc}")
+        raise
     if spec.post is not None:
         spec.post(built)
     return built
@@ -411,6 +417,10 @@ def _ids(output, top_k: int) -> torch.Tensor:
     return torch.topk(tensors[-1].float(), top_k, dim=-1).indices
 
 
+def _sorted_ids(output, top_k: int) -> torch.Tensor:
+    return torch.sort(_ids(output, top_k).long(), dim=-1).values
+
+
 def _record_routing(routers: list[torch.nn.Module]) -> tuple[list, list]:
     """Forward hooks keeping each router call's output (see _ids), in call order."""
     seen: list = []
@@ -425,22 +435,15 @@ def _hf_router(block: torch.nn.Module) -> torch.nn.Module:
     return block.router if hasattr(block, "router") else block.gate
 
 
-# Measured on an H100 (2026-11-23): these two patched families match stock in fp32 on CPU but not
-# in bf16 on the GPU (93 of 1152 jetmoe logits off by up to 1.1; qwen4_exp likewise): a routing
-# difference in bf16 not yet explained. Kept as known failures until it is.
-_BF16_GPU_MISMATCH = {"jetmoe", "qwen4_exp"}
+def _other_routers(model: nn.Module, blocks: list) -> list[nn.Module]:
+    """Top-k routers outside the MoE blocks (JetMoE's mixture-of-attention heads): patch() leaves
+    them alone, but bf16 noise from the MoE blocks upstream can flip their top-k on near-ties."""
+    inside = {id(m) for _, b in blocks for m in b.modules()}
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKGating") and id(m) not in inside]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(reason="bf16 GPU mismatch (see above)", strict=False))
-        if f in _BF16_GPU_MISMATCH
-        else f
-        for f in FAMILIES
-    ],
-)
+@pytest.mark.parametrize("family", FAMILIES)
 @torch.inference_mode()
 def test_patched_models_bf16(family):
     """bf16, Triton backend, against the unpatched model. bf16 logits can tie exactly at the top-k
@@ -453,15 +456,22 @@ def test_patched_models_bf16(family):
     ids = torch.randint(3, 64, (4, 6), device="cuda")
     x = torch.randn(4, 8, hidden_size(model), device="cuda", dtype=torch.bfloat16)
 
+    attention_routers = _other_routers(model, blocks)
+    hf_attn, attn_handles = _record_routing(attention_routers)
     hf_seen, handles = _record_routing([_hf_router(b) for _, b in blocks])
     want_logits = run(model, family, ids).float()
+    for h in attn_handles:
+        h.remove()
     want_blocks = [block_out(b, x).float() for _, b in blocks]
     for h in handles:
         h.remove()
     patch(model, backend="triton")
     new_blocks = [model.get_submodule(n) for n, _ in blocks]
     sm_seen, handles = _record_routing([b.moe.gate for b in new_blocks])
+    sm_attn, attn_handles = _record_routing(attention_routers)
     got_logits = run(model, family, ids).float()
+    for h in attn_handles:
+        h.remove()
     got_blocks = [block_out(b, x).float() for b in new_blocks]
     for h in handles:
         h.remove()
@@ -473,7 +483,11 @@ def test_patched_models_bf16(family):
     same = [(a == b).all(dim=-1) for a, b in zip(hf_ids, sm_ids, strict=True)]  # per call, [T]
     # Sequences whose tokens were all routed alike in every layer (a token routed differently
     # reaches the later tokens of its sequence through attention).
-    model_rows = torch.stack(same[:layers]).all(dim=0).view(ids.shape).all(dim=1, keepdim=True)
+    assert len(hf_attn) == len(sm_attn), (len(hf_attn), len(sm_attn))
+    attn_k = [attention_routers[i % len(attention_routers)].top_k for i in range(len(hf_attn))]
+    attn_same = [_sorted_ids(a, k).eq(_sorted_ids(b, k)).all(dim=-1)
+                 for a, b, k in zip(hf_attn, sm_attn, attn_k, strict=True)]  # fmt: skip
+    model_rows = torch.stack(same[:layers] + attn_same).all(dim=0).view(ids.shape).all(dim=1, keepdim=True)
     model_rows = model_rows.expand(ids.shape).reshape(-1)
     rows = torch.cat(same)
     flips = int((~rows).sum())

@@ -474,8 +474,9 @@ class MoE(nn.Module):
         if x.device != device:
             raise ValueError(f"x must be on this layer's device {device}, got {x.device}")
         if self.quant is not None:  # fp8 experts: activations bf16/fp16, quantised per row at run time
-            wanted = self.gate.weight.dtype
             usable: tuple[torch.dtype, ...] = _checks.FP8_ACTIVATION_DTYPES
+            # an fp32 gate (fp32 logits) says nothing of the activations: name bf16 then
+            wanted = self.gate.weight.dtype if self.gate.weight.dtype in usable else usable[0]
             ok = x.dtype in usable and (self.gate.logits_fp32 or x.dtype == wanted)
         else:
             wanted = self.w13.dtype

@@ -99,6 +99,23 @@ copy of the expert weights; the original tensors are released with the old block
 gate/up bias is folded into w13 (see `safemoe.layer`). DBRX ([E * I, H] w1 / v1 / w2) and Aria
 ([E, H, 2I] / [E, I, H]) are likewise copied once into safemoe's layout.
 
+fp8 checkpoints (a model loaded with transformers' `FineGrainedFP8Config`, e.g. DeepSeek-V3's or
+Qwen3's FP8 releases): the experts module is transformers' `FP8Experts`, whose float8_e4m3fn
+`gate_up_proj` / `down_proj` and float32 `*_scale_inv` (128x128 blocks, or one scale per expert and
+projection) become the MoE's fp8 experts as they are (the same storage: no copy, no
+dequantisation; `MoE.set_fp8_experts`), run on safemoe's fp8 kernels with activations quantised
+per 1x128 group at run time (so `patch(workspace=)` needs `Workspace(..., fp8=True)`, and `quant=`
+is refused). The gate/up scale rows: ceil(2I/128) (gate and up quantised as one matrix, what the
+quantizer makes) or 2 * ceil(I/128) (apart, as checkpoints ship gate_proj / up_proj; transformers
+can hold that only when I <= 64); when 64 < I % 128 both counts are equal and patch refuses rather
+than guess. ue8m0 scales (float8_e8m0fnu, powers of two) are widened to float32 exactly (a copy of
+the scales only). Refused, naming what: static activation scales, block sizes other than 128x128,
+fp4 (int8) experts, biases, non-gated or clamped/softcapped experts, fp8 gate_up with a bf16
+down_proj (the quantizer leaves a matrix unquantised when a side is not a multiple of 128; both
+unquantised run safemoe's bf16 path). A router stored in fp8 (an `FP8Linear`, e.g. Hunyuan's
+`gate.wg`) is dequantised once to fp32 (a copy of [E, H]) and computes fp32 logits. Shared experts
+and their gates keep their own modules and forward (an `FP8Linear` runs transformers' fp8 kernel).
+
 Padding: every patched block reads the model's shared `num_valid` (None, an int or a 0-dim device
 tensor) set with `set_num_valid`; rows of the flattened [batch * seq] tokens at or past it are
 padding (the MoE never reads them and writes zeros there). For a CUDA graph, set it once to the
@@ -123,7 +140,7 @@ from safemoe.fp8 import QUANT_MODES
 from safemoe.health import Health
 from safemoe.integrations.serving import track_real_tokens
 from safemoe.layer import MoE, fold_expert_biases
-from safemoe.numerics import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from safemoe.numerics import FP8_BLOCK, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from safemoe.route_config import RouteConfig
 from safemoe.workspace import Workspace
 
@@ -222,10 +239,128 @@ def _fused_experts(experts: Any, where: str) -> tuple[torch.Tensor, torch.Tensor
     return _need(experts, "gate_up_proj", where), _need(experts, "down_proj", where)
 
 
+# -- fine-grained fp8 checkpoints (transformers' FineGrainedFP8Config: FP8Experts, FP8Linear) ----
+
+Fp8Scales = tuple[torch.Tensor, torch.Tensor]  # (w13_scale, w2_scale), float32, weight_scale_inv
+
+
+def _is_fp8_experts(experts: Any) -> bool:
+    return any(c.__name__ == "FP8Experts" for c in type(experts).__mro__)
+
+
+def _float32_scale(scale: Any, name: str, where: str) -> torch.Tensor:
+    """A weight_scale_inv as float32: as it is, or ue8m0 (float8_e8m0fnu, powers of two) widened
+    exactly (a copy of the scales only, [E, 2I/128, H/128]: small)."""
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"{where}: fp8 weights without their {name} tensor")
+    if scale.dtype == torch.float32:
+        return scale.detach()
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return scale.detach().float()
+    raise ValueError(f"{where}: {name} of dtype {scale.dtype} (safemoe takes float32 or ue8m0 scales)")
+
+
+def _expert_weights(experts: Any, where: str,
+                    swigluoai: bool = False) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales | None]:
+    """(w13, w2, fp8 scales or None) of a fused experts module. transformers' FP8Experts (models
+    loaded with FineGrainedFP8Config, e.g. DeepSeek-V3's and Qwen3's FP8 checkpoints): its e4m3
+    `gate_up_proj` / `down_proj` and their `*_scale_inv` as they are (no copy, no dequantisation),
+    128x128 blocks or one scale per expert and projection; the scales' row count says whether gate
+    and up were quantised as one [2I, H] matrix (ceil(2I/128) rows) or as two (2 * ceil(I/128): a
+    checkpoint shipping gate_proj and up_proj apart, which transformers can hold only when I <= 64).
+    A layout safemoe's fp8 kernels cannot run raises ValueError naming it."""
+    w13, w2 = _fused_experts(experts, where)
+    if not _is_fp8_experts(experts):
+        return w13, w2, None
+    what = f"{where}: transformers' FP8Experts with"
+    if not getattr(experts, "has_gate", True):
+        raise ValueError(f"{what} non-gated experts (up_proj): safemoe's experts are gated")
+    if getattr(experts, "has_bias", False):
+        raise ValueError(f"{what} biases: safemoe's fp8 experts have none")
+    scheme = getattr(experts, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"{what} activation_scheme={scheme!r}: safemoe quantises activations per "
+                         "1x128 group at run time (dynamic) and has no static activation scales")
+    for name in ("gate_softcap", "up_softcap"):
+        if getattr(experts, name, None) is not None:
+            raise ValueError(f"{what} {name}={getattr(experts, name)}: safemoe has no softcapped SwiGLU")
+    if getattr(experts, "swiglu_alpha", None) is not None and not swigluoai:
+        raise ValueError(f"{what} swiglu_alpha set (clamped SwiGLU) in a block whose experts safemoe runs "
+                         "as a plain gated activation")
+    if getattr(experts, "limit", None) is not None and getattr(experts, "swiglu_alpha", None) is None:
+        raise ValueError(f"{what} limit={experts.limit} (clamped SiLU): safemoe has no clamped SiLU")
+    fp8 = [t.dtype in _checks.FP8_WEIGHT_DTYPES for t in (w13, w2)]
+    if not any(fp8) and w13.dtype in _checks.FLOAT_DTYPES and w2.dtype == w13.dtype:
+        # transformers' quantizer leaves a matrix whose sides are not multiples of the block
+        # unquantised, and FP8Experts then runs it as a plain matmul: so does safemoe.
+        return w13, w2, None
+    if not all(fp8):
+        raise ValueError(
+            f"{what} gate_up_proj {w13.dtype} and down_proj {w2.dtype}: safemoe's fp8 experts need both "
+            "float8_e4m3fn (transformers' quantizer leaves a matrix unquantised when its sides are not "
+            "multiples of the 128x128 block, e.g. down_proj when moe_intermediate_size % 128 != 0; int8 "
+            "is packed fp4)"
+        )
+    s13 = _float32_scale(getattr(experts, "gate_up_proj_scale_inv", None), "gate_up_proj_scale_inv", where)
+    s2 = _float32_scale(getattr(experts, "down_proj_scale_inv", None), "down_proj_scale_inv", where)
+    block = getattr(experts, "block_size", None)
+    if block is None:  # one scale per expert and projection: [E, 2, 1] (gate, up) and [E, 1, 1]
+        s13 = s13.reshape(s13.shape[0], -1)
+        s13 = s13.reshape(-1) if s13.shape[1] == 1 else s13
+        s2 = s2.reshape(-1)
+    elif tuple(block) != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(f"{what} block_size={tuple(block)}: safemoe's fp8 blocks are "
+                         f"{FP8_BLOCK}x{FP8_BLOCK}")
+    inter = w13.shape[1] // 2
+    if block is not None and inter % FP8_BLOCK > FP8_BLOCK // 2:
+        # ceil(2I/128) == 2 * ceil(I/128): the scale rows read two ways (one [2I, H] matrix, or gate
+        # and up quantised apart), and nothing in the module says which (see docs/fp8.md, "Trap").
+        raise ValueError(f"{what} moe_intermediate_size={inter} (64 < I % 128): its gate_up_proj_scale_inv "
+                         "rows fit both gate and up quantised as one matrix and as two; safemoe cannot tell "
+                         "which (re-quantise the experts, or pad I to a multiple of 128)")
+    scales = (s13.contiguous(), s2.contiguous())
+    try:
+        spec = _checks.check_fp8_weights(w13, w2, *scales)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} weights safemoe cannot take: {exc}") from exc
+    if (spec.mode == "block") != (block is not None):
+        raise ValueError(f"{what} block_size={block} but scales of {spec.mode} shape "
+                         f"{tuple(s13.shape)} / {tuple(s2.shape)}")
+    return w13, w2, scales
+
+
+def _dequantize_fp8_linear(weight: torch.Tensor, scale: Any, block: Any, where: str) -> torch.Tensor:
+    """An fp8 [N, K] Linear weight (transformers' FP8Linear) -> float32: weight * weight_scale_inv,
+    per tensor (block None or one scale) or per (bn, bk) block, partial edge blocks included."""
+    scale = _float32_scale(scale, "weight_scale_inv", where)
+    rows, cols = weight.shape
+    with torch.no_grad():
+        if block is None or scale.numel() == 1:
+            return weight.float() * scale.reshape(())
+        bn, bk = (int(b) for b in block)
+        if tuple(scale.shape) != (-(-rows // bn), -(-cols // bk)):
+            raise ValueError(f"{where}: router weight_scale_inv {tuple(scale.shape)} does not tile the "
+                             f"[{rows}, {cols}] weight in {bn}x{bk} blocks")
+        full = scale.repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+        return weight.float() * full
+
+
+def _router_weight(router: Any, where: str) -> torch.Tensor:
+    """The router's [E, H] weight; an fp8 one (the router quantised as an FP8Linear) dequantised
+    once to float32 (a small copy): the gate then computes fp32 logits."""
+    weight = _need(router, "weight", where)
+    if weight.dtype not in _checks.FP8_WEIGHT_DTYPES:
+        return weight  # type: ignore[no-any-return]
+    return _dequantize_fp8_linear(weight, getattr(router, "weight_scale_inv", None),
+                                  getattr(router, "block_size", None), f"{where} router")
+
+
 def _make_moe(where: str, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              config: RouteConfig, activation: str, **layer_flags: Any) -> MoE:
+              config: RouteConfig, activation: str, *, fp8: Fp8Scales | None = None,
+              **layer_flags: Any) -> MoE:
     """A MoE holding `router_weight` [E, H], `w13` [E, 2I, H] and `w2` [E, H, I] (adopted: the
-    same storage where they are contiguous)."""
+    same storage where they are contiguous). fp8: the scales of float8_e4m3fn w13 / w2 (the MoE
+    runs safemoe's fp8 kernels on them, its gate in the router's dtype)."""
     num_experts, two_inter, hidden = w13.shape
     if tuple(w2.shape) != (num_experts, hidden, two_inter // 2) or two_inter % 2:
         raise ValueError(f"{where}: unexpected expert layout {tuple(w13.shape)=} {tuple(w2.shape)=}")
@@ -233,23 +368,33 @@ def _make_moe(where: str, router_weight: torch.Tensor, w13: torch.Tensor, w2: to
         raise ValueError(
             f"{where}: router weight {tuple(router_weight.shape)} does not match E={num_experts}, H={hidden}"
         )
-    if router_weight.dtype == torch.float32 and w13.dtype != torch.float32:
+    for name, t in (("router weight", router_weight), ("w13", w13), ("w2", w2)):
+        if t.dtype in _checks.FP8_WEIGHT_DTYPES and (fp8 is None or name == "router weight"):
+            raise ValueError(f"{where}: {name} is {t.dtype} in a layout safemoe takes no fp8 from (fp8 "
+                             "checkpoints: transformers' FP8Experts in the fused gate_up_proj layout)")
+    dtype = w13.dtype
+    if fp8 is not None:  # the activations' dtype: the router's where it is bf16/fp16
+        activations = _checks.FP8_ACTIVATION_DTYPES
+        dtype = router_weight.dtype if router_weight.dtype in activations else torch.bfloat16
+    if router_weight.dtype == torch.float32 and dtype != torch.float32:
         # A router kept in fp32 (_keep_in_fp32_modules) computes fp32 logits: the stock routers that
         # allow it cast the input up (an F.linear of mixed dtypes would fail).
         layer_flags["router_logits_fp32"] = True
-    moe = MoE(hidden, two_inter // 2, num_experts, config, activation=activation, dtype=w13.dtype,
+    moe = MoE(hidden, two_inter // 2, num_experts, config, activation=activation, dtype=dtype,
               device="meta", **layer_flags)
     _adopt(moe.gate, "weight", router_weight)
+    if fp8 is not None:
+        moe.set_fp8_experts(w13.detach(), w2.detach(), *fp8)
     _adopt(moe, "w13", _contiguous(w13))
     _adopt(moe, "w2", _contiguous(w2))
     return moe
 
 
 def _standard(block: Any, router: Any, config: RouteConfig, where: str, **layer_flags: Any) -> MoE:
-    """A MoE over `block.experts` in the fused layout with `router.weight` as its gate."""
-    w13, w2 = _fused_experts(block.experts, where)
-    return _make_moe(where, _need(router, "weight", where), w13, w2, config,
-                     _experts_activation(block.experts, where, block), **layer_flags)
+    """A MoE over `block.experts` in the fused layout (fp8 or not) with `router.weight` as its gate."""
+    w13, w2, fp8 = _expert_weights(block.experts, where)
+    return _make_moe(where, _router_weight(router, where), w13, w2, config,
+                     _experts_activation(block.experts, where, block), fp8=fp8, **layer_flags)
 
 
 def _renormalize(router: Any) -> bool:
@@ -361,13 +506,13 @@ def _topk_softmax(block: Any, where: str) -> MoE:
     (`experts`) or, in JetMoE, as `input_linear` [E, 2I, H] / `output_linear` [E, H, I] plus an
     output bias [H] on every row."""
     router = block.router
-    weight = getattr(router, "weight", None)
-    if weight is None:
-        weight = _need(router, "layer", where).weight
+    weight = _router_weight(router if getattr(router, "weight", None) is not None
+                            else _need(router, "layer", where), where)
     config = RouteConfig(int(router.top_k), renormalize=True)
     if getattr(block, "experts", None) is not None:
-        w13, w2 = _fused_experts(block.experts, where)
-        return _make_moe(where, weight, w13, w2, config, _experts_activation(block.experts, where, block))
+        w13, w2, fp8 = _expert_weights(block.experts, where)
+        return _make_moe(where, weight, w13, w2, config, _experts_activation(block.experts, where, block),
+                         fp8=fp8)
     w13 = _need(_need(block, "input_linear", where), "weight", where)
     w2 = _need(_need(block, "output_linear", where), "weight", where)
     moe = _make_moe(where, weight, w13, w2, config, _activation(getattr(block, "activation", None), where))
@@ -547,9 +692,9 @@ def _sigmoid_biased_scaled(block: Any, where: str) -> MoE:
         activation = "swigluoai"
     else:
         activation = _experts_activation(experts, where, block)
-    w13, w2 = _fused_experts(experts, where)
-    moe = _make_moe(where, router.weight, w13, w2, config, activation, selection_bias=True,
-                    router_logits_fp32=type(block).__name__ == "HYV3MoE")
+    w13, w2, fp8 = _expert_weights(experts, where, swigluoai=activation == "swigluoai")
+    moe = _make_moe(where, _router_weight(router, where), w13, w2, config, activation, fp8=fp8,
+                    selection_bias=True, router_logits_fp32=type(block).__name__ == "HYV3MoE")
     _adopt(moe.gate, "selection_bias", bias)
     moe.shared_expert = _need(block, "shared_experts", where)
     return moe
@@ -713,7 +858,8 @@ def patch(
     shared by all blocks (with `fp8=True` when quant is set). health: one `safemoe.Health` (or
     tensor) all blocks add to. quant: None (the model's dtype), "per_tensor" or "block": each
     block's experts are quantised to fp8 (`MoE.quantize_`) and run on the fp8 kernels; the model
-    must be bf16 or fp16.
+    must be bf16 or fp16. An fp8 checkpoint's experts (transformers' FP8Experts) run on the fp8
+    kernels with their own weights and scales (see the module docstring); quant must be None.
     Raises ValueError naming the class when the model has an MoE block safemoe does not support,
     or no MoE block at all.
     """
@@ -751,6 +897,9 @@ def patch(
         builder, returns_pair = _BUILDERS[cls]
         moe = builder(block, f"{cls} at {name}")
         moe.backend = moe.gate.backend = backend
+        if quant is not None and moe.quant is not None:
+            raise ValueError(f"{cls} at {name}: quant={quant!r}, but its experts are fp8 already (an fp8 "
+                             f"checkpoint, {moe.quant} scales): patch it without quant")
         if quant is not None:
             moe.quantize_(quant)
         moe.set_workspace(workspace)
