@@ -73,6 +73,7 @@ class Adapter:
     counts_health: bool = True  # accepts `health=` and counts into it
     uses_workspace: bool = True  # accepts `workspace=` and uses it (not just ignores it)
     out_buffers: bool = False  # has route_into / experts_into writing caller buffers
+    fp8_experts: bool = True  # experts takes float8_e4m3fn w13/w2 with w13_scale=/w2_scale=
     # Output tolerance vs the reference, as a multiple of the dtype's (see invariants): peers
     # round gate/up, the activation and the product to the input dtype, the reference once.
     tolerance_scale: float = 1.0
@@ -345,6 +346,7 @@ def _peer(name: str, device: torch.device, description: str, **fields: Any) -> P
         tolerance_scale=4.0,
         counts_health=False,
         uses_workspace=False,
+        fp8_experts=False,
     )
     for key, value in fields.items():
         setattr(adapter, key, value)

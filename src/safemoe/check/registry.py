@@ -24,7 +24,7 @@ import torch
 OPS = ("route", "experts", "moe")
 
 # The fault-injection families, in the table's reading order: the data path, then the runtime.
-FAMILIES = ("routing", "padding", "dispatch", "boundaries", "buffers", "graphs", "e2e", "invariance")
+FAMILIES = ("routing", "padding", "dispatch", "boundaries", "buffers", "graphs", "e2e", "fp8", "ep", "invariance")
 FAMILY_DOCS = {
     "routing": "routing contract on NaN/Inf/equal/tie-free rows, every E, scoring and grouping mode",
     "padding": "rows past num_valid poisoned (NaN, Inf, 1e4, stale ids): real rows untouched, pads zero",
@@ -33,6 +33,8 @@ FAMILY_DOCS = {
     "buffers": "outputs and workspaces pre-filled with NaN/+-Inf/stale ids before the call",
     "graphs": "CUDA graph captured once, replayed with num_valid changed in place, NaN injected between",
     "e2e": "safemoe.MoE and a transformers block patched by safemoe, on NaN-poisoned padding",
+    "fp8": "fp8 experts, per_tensor and block: NaN/Inf rows isolated, padding never quantised, bad ids",
+    "ep": "EPMoE over spawned ranks (gloo/NCCL): ragged, an empty rank, NaN padding, stale ids, overflow",
     "invariance": "batch_invariant=True: the same row in batches of T = 1..8192 (CPU: 1..200), bitwise",
 }
 

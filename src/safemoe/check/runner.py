@@ -74,6 +74,8 @@ FAMILY_COST = {
     "graphs": 3.0,
     "e2e": 5.0,
     "boundaries": 8.0,
+    "fp8": 2.0,
+    "ep": 20.0,  # each case spawns a process group: ~3-7 s on 2 CPU cores, whatever its size
 }
 BACKEND_COST = {"triton": 2.0, "reference": 1.5}
 PROGRESS_LINE_S = 30.0
@@ -82,7 +84,8 @@ PROGRESS_LINE_S = 30.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "The fault-injection matrix: routing contract, padding isolation, dispatch robustness, token-count "
-        "boundaries, buffer hygiene, CUDA graphs and end-to-end layers, on safemoe's backends and every peer "
+        "boundaries, buffer hygiene, CUDA graphs, end-to-end layers, fp8 experts and expert parallelism, on "
+        "safemoe's backends and every peer "
         "implementation installed here, each case group in a crash-isolated worker process. Exit status: 1 "
         "when a chosen backend (--backend, default safemoe's reference and triton) failed or crashed, had "
         "memcheck errors, or had cases left unrun by --max-time; 2 for a usage error; 0 otherwise. Peers "

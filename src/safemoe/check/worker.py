@@ -62,8 +62,15 @@ class WorkerConfig:
         return json.dumps(asdict(self))
 
 
+# The plugins this process imported, in order: cases that start processes of their own (the ep
+# family's ranks) import them there too.
+LOADED_PLUGINS: list[str] = []
+
+
 def load_plugin(spec: str) -> None:
     """Import a plugin: a path to a .py file, or a module name. It registers backends (and checks)."""
+    if spec not in LOADED_PLUGINS:
+        LOADED_PLUGINS.append(spec)
     path = Path(spec)
     if spec.endswith(".py") or path.is_file():
         name = f"safemoe_check_plugin_{abs(hash(str(path.resolve())))}"

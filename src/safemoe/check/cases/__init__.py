@@ -5,6 +5,8 @@ from safemoe.check.cases import (  # noqa: F401
     buffers,
     dispatch,
     e2e,
+    ep,
+    fp8,
     graphs,
     invariance,
     padding,
