@@ -6,7 +6,8 @@
 #   bash scripts/gpu_run.sh OUT_DIR
 #
 # Environment:
-#   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,soak,bench,serving)
+#   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,sanitize_check,soak,bench,serving)
+#   SANITIZE_CHECK_SCALE / _ONLY / _MAX_TIME / _TIMEOUT  the check matrix under memcheck (stage sanitize_check)
 #   SOAK_REPLAYS / SOAK_TIMEOUT  replays of the soak stage (default 100000) and its limit (300 s)
 #   BENCH_SUITES    suites for the bench stage (default: all)
 #   QUICK=1         smaller bench and per-stage time limits that fit a 7-minute call
@@ -29,7 +30,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$(dirname "$0")/.."
 
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-STAGES=${GPU_RUN_STAGES:-tests,sanitize,soak,bench,serving}
+STAGES=${GPU_RUN_STAGES:-tests,sanitize,sanitize_check,soak,bench,serving}
 SERVING_TIMEOUT=${SERVING_TIMEOUT:-420}
 SOAK_TIMEOUT=${SOAK_TIMEOUT:-300}
 SOAK_REPLAYS=${SOAK_REPLAYS:-100000}
@@ -106,6 +107,26 @@ if has_stage sanitize; then
     tail -n 3 "$OUT_DIR/sanitize.log"
 fi
 
+if has_stage sanitize_check; then
+    # The whole `safemoe check` matrix under compute-sanitizer memcheck. SANITIZE_CHECK_SCALE=cpu
+    # (default) is what `check --sanitizer` runs: 472 cases, 87 s on an H100; =cuda is the CUDA-sized
+    # matrix (~8,000 cases of the seven data-path families at ~8 a second on an H100, so about 20
+    # minutes with fp8/invariance): split it over calls with SANITIZE_CHECK_ONLY (families) and
+    # SANITIZE_CHECK_MAX_TIME; the JSON of each call lists what ran and what was left.
+    scale=${SANITIZE_CHECK_SCALE:-cpu}
+    limit=${SANITIZE_CHECK_TIMEOUT:-$([ "$QUICK" = "1" ] && echo 150 || echo 1800)}
+    echo "== sanitize_check (scale $scale, limit $limit s) =="
+    timeout -s INT --kill-after=30 "$limit" python3 -m safemoe check --sanitizer --scale "$scale" \
+        --peers none ${SANITIZE_CHECK_ONLY:+--only "$SANITIZE_CHECK_ONLY"} \
+        ${SANITIZE_CHECK_MAX_TIME:+--max-time "$SANITIZE_CHECK_MAX_TIME"} \
+        --json "$OUT_DIR/sanitize_check_$scale.json" > "$OUT_DIR/sanitize_check.log" 2>&1
+    rc=$?
+    verdict=$(grep -E "^safemoe \(" "$OUT_DIR/sanitize_check.log" | tail -n 1)
+    memcheck=$(grep -E "^memcheck " "$OUT_DIR/sanitize_check.log" | paste -sd ";" -)
+    record sanitize_check "$rc" "${verdict:-no verdict line}; ${memcheck:-no memcheck lines}"
+    tail -n 3 "$OUT_DIR/sanitize_check.log"
+fi
+
 if has_stage soak; then
     echo "== soak (limit ${SOAK_TIMEOUT} s) =="
     # The captured Qwen3-routing step replayed SOAK_REPLAYS times with fresh NaN rows, bad ids and
@@ -166,7 +187,7 @@ fi
 
 {
     echo "safemoe gpu_run summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $DEVICE)"
-    for stage in tests sanitize soak bench serving; do
+    for stage in tests sanitize sanitize_check soak bench serving; do
         if has_stage "$stage"; then echo "  $stage: ${RESULT[$stage]:-not recorded}"; else echo "  $stage: not run"; fi
     done
     if has_stage tests && [ -f "$OUT_DIR/tests.log" ]; then

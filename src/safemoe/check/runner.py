@@ -120,7 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int_in(0), default=0, help="seed of every generated input, >= 0 (default 0)"
     )
     parser.add_argument("--quick", action="store_true", help="the small matrix (CI)")
-    parser.add_argument("--scale", choices=tuple(SCALES), default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--scale",
+        choices=tuple(SCALES),
+        default=None,
+        help="matrix size: quick (= --quick), cpu or cuda (default: cuda on a GPU, else cpu; cpu with "
+        "--sanitizer, where --scale cuda runs the full CUDA matrix under memcheck)",
+    )
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
