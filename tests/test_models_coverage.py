@@ -113,3 +113,29 @@ def test_fp8_cell_names_why():
     gpt_oss = coverage.build("gpt_oss", "eager")
     cell = coverage.check_fp8(gpt_oss, gpt_oss)
     assert cell == "no: GptOssExperts has biases: transformers' FP8Experts has none"
+
+
+def test_table_from_saved_rows(tmp_path):
+    """--from-json renders an earlier run's rows with a GPU log: counts and cells as given."""
+    import json
+
+    rows = [coverage.Row("qwen3_moe", "Qwen3MoeExperts", "yes", "yes", 1.0,
+                         fp8="yes (patch, experts; max error 0.046)"),
+            coverage.Row("mixtral", "MixtralExperts", "yes", "no: why", 1.0,
+                         fp8="patch only (max error 0.047); experts: x")]
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"date": "2026-11-24", "versions": "transformers 5.23.0", "minutes": 3.0,
+                                 "jobs": 2, "rows": [vars(r) for r in rows]}))
+    log = tmp_path / "hf_models_gpu_NVIDIA-H100_2026-11-24.txt"
+    log.write_text(LOG)
+    out = tmp_path / "models.md"
+    assert coverage.main(["--from-json", str(saved), "--gpu-log", str(log), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert ("| qwen3_moe | Qwen3MoeExperts | yes | yes | yes (patch, experts; max error 0.046) | "
+            "bf16 patch: passed (H100, 2026-11-24) |") in text
+    assert ("| mixtral | MixtralExperts | yes | no: why | patch only (max error 0.047); experts: x | "
+            "not in the GPU tests |") in text
+    assert ("2 families; patch: 2 pass; experts_implementation=\"safemoe\": 1 pass; fp8: patch 2, "
+            "experts_implementation 1, both 1; bf16 patch passed on GPU: 1.") in text
+    assert "on 2026-11-24, transformers 5.23.0" in text and "This run took 3 min" in text
+    assert "jetmoe: bf16 patch: failed" in text  # in the log, not a row of the table
