@@ -518,9 +518,13 @@ def check_fp8(stock: nn.Module, safemoe_model: nn.Module) -> str:
     except ValueError as exc:
         return f"no: {exc}"
     ids, mask = batch()
-    with torch.no_grad():
-        if not torch.isfinite(reference(input_ids=ids, attention_mask=mask).logits).all():
-            return "no: the bf16 model with dequantised experts gives non-finite logits"
+    try:
+        with torch.no_grad():
+            finite = bool(torch.isfinite(reference(input_ids=ids, attention_mask=mask).logits).all())
+    except Exception as exc:  # e.g. a router kept in fp32 by transformers, cast to bf16 here
+        return f"no: not checked: the stock model cast to bf16 fails on CPU ({type(exc).__name__}: {exc})"
+    if not finite:
+        return "no: the bf16 model with dequantised experts gives non-finite logits"
 
     errors: dict[str, list[float]] = {}
     why: dict[str, str] = {}
