@@ -23,7 +23,10 @@ tested on GPU: from a committed `pytest -rA -m gpu` log of the per-family GPU te
     python3 scripts/models_coverage.py                       # print the table
     python3 scripts/models_coverage.py --out docs/models.md  # and write it (with a header)
     python3 scripts/models_coverage.py --only mixtral,gpt_oss -v
-    python3 scripts/models_coverage.py --gpu-log bench/results/logs/hf_models_gpu_<device>_<date>.txt
+    python3 scripts/models_coverage.py --out docs/models.md --json bench/results/models_coverage_cpu.json
+    # a new GPU log, the CPU rows of the last run (no checks run):
+    python3 scripts/models_coverage.py --from-json bench/results/models_coverage_cpu.json \
+        --gpu-log bench/results/logs/hf_models_gpu_<device>_<date>.txt --out docs/models.md
 
 Each family runs in its own subprocess (a family that crashes or runs out of memory is a miss
 of its own, not the end of the run). `tests/test_hf_experts.py` imports the builders from here.
