@@ -239,3 +239,21 @@ def qwen3_moe(workspace=None, **kwargs):
         moe.w13.normal_(0, hidden**-0.5)
         moe.w2.normal_(0, inter**-0.5)
     return moe
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (registered in sys.modules under `name`, so that its
+    dataclasses and pickling work)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

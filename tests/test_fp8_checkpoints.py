@@ -3,14 +3,14 @@
 safemoe's fp8 kernels with the checkpoint's own tensors, no dequantisation.
 
 CPU: transformers' own module swap (`replace_with_fp8_linear`, what the quantizer runs before
-loading) turns the experts into FP8Experts; their weights are quantised here as DeepSeek-V3 ships
-them (per 128x128 block, scale_inv = amax / 448, edge blocks partial) and put in. The quantizer
-itself refuses to run without a GPU, and FP8Experts' own forward needs the `kernels` hub package
-(not installed here), so the reference is the same model with the experts dequantised (fp8 *
-scale_inv, in bf16) run stock. The fp8 path quantises activations per 1x128 group on top: measured
-relative Frobenius error of the logits ~0.024-0.043 (bf16, H=256, 2 layers), asserted <= 0.08;
-scales applied to the wrong rows (a checked negative control) give > 0.3 since the gate rows are
-made 4x larger than the up rows.
+loading) turns the experts into FP8Experts; their weights are quantised (`safemoe.testing`) as
+DeepSeek-V3 ships them (per 128x128 block, scale_inv = amax / 448, edge blocks partial) and put in.
+The quantizer itself refuses to run without a GPU, and FP8Experts' own forward needs the `kernels`
+hub package (not installed here), so the reference is the same model with the experts dequantised
+(fp8 * scale_inv, in bf16) run stock. The fp8 path quantises activations per 1x128 group on top:
+measured relative Frobenius error of the logits ~0.024-0.043 (bf16, H=256, 2 layers), asserted <=
+0.08; scales applied to the wrong rows (a checked negative control) give > 0.3 since the gate rows
+are made 4x larger than the up rows.
 
 GPU (`@pytest.mark.gpu`): a tiny bf16 model saved and reloaded with `FineGrainedFP8Config()`
 (transformers' quantizer on the GPU), patched, against the dequantised model; and against the
@@ -32,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 from safemoe.integrations.transformers import SafeMoEBlock, patch, set_num_valid  # noqa: E402
+from safemoe.testing import dequantize_blocks, fill_fp8_experts, quantize_blocks, rel_error  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
@@ -42,38 +43,6 @@ LOGITS_TOL = 0.3  # the whole model's logits: fp8 noise in one layer can flip a 
 # dense MLPs (DeepSeek-V3's first layer), the head.
 NOT_CONVERTED = ["lm_head", r".*self_attn", r".*linear_attn", r".*shared_experts?", r".*shared_expert_gate",
                  r".*mlp\.gate", r".*mlp\.(gate|up|down)_proj"]
-
-
-def quantize_blocks(w: torch.Tensor, bn: int = BLOCK, bk: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (e4m3 [..., N, K], float32 scale_inv [..., ceil(N/bn), ceil(K/bk)]) as
-    DeepSeek-V3's checkpoints are made: per block, scale_inv = amax / 448, partial edge blocks."""
-    *lead, n, k = w.shape
-    rb, cb = -(-n // bn), -(-k // bk)
-    padded = w.new_zeros(*lead, rb * bn, cb * bk, dtype=torch.float32)
-    padded[..., :n, :k] = w.float()
-    tiles = padded.view(*lead, rb, bn, cb, bk)
-    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / torch.finfo(FP8).max
-    q = (tiles / scale[..., :, None, :, None]).to(FP8).view(*lead, rb * bn, cb * bk)
-    return q[..., :n, :k].contiguous(), scale
-
-
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor,
-                      row_blocks: list[int] | None = None) -> torch.Tensor:
-    """fp8 [..., N, K] * its scale_inv; row_blocks: the scale row of each 128-row piece when the
-    rows were quantised in separate matrices (gate and up apart), else row // 128."""
-    n, k = q.shape[-2:]
-    rows = scale.repeat_interleave(BLOCK, dim=-2)[..., :n, :] if row_blocks is None else row_blocks_scale(
-        scale, row_blocks, n)
-    columns = BLOCK if scale.shape[-1] > 1 or k <= BLOCK else k  # one column block: per-tensor
-    return q.float() * rows.repeat_interleave(columns, dim=-1)[..., :k]
-
-
-def row_blocks_scale(scale: torch.Tensor, pieces: list[int], n: int) -> torch.Tensor:
-    parts = [scale[..., i : i + 1, :].expand(*scale.shape[:-2], size, scale.shape[-1])
-             for i, size in enumerate(pieces)]
-    out = torch.cat(parts, dim=-2)
-    assert out.shape[-2] == n
-    return out
 
 
 def _family(name: str, inter: int):
@@ -141,38 +110,15 @@ def fp8_checkpoint(family: str, inter: int, *, split: bool = False, ue8m0: bool 
             raise AssertionError(f"{name} became an FP8Linear, which this CPU cannot run")
         if not isinstance(module, fp8_integration.FP8Experts):
             continue
-        w13, w2 = stock[name]
-        if per_tensor:  # a "block" the size of each matrix: one scale per expert and matrix
-            (qg, sg), (qu, su) = (quantize_blocks(w, inter, HIDDEN) for w in (w13[:, :inter], w13[:, inter:]))
-            q13, s13 = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
-            pieces = [inter, inter]
-        elif split:
-            (qg, sg), (qu, su) = quantize_blocks(w13[:, :inter]), quantize_blocks(w13[:, inter:])
-            q13, s13 = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
-            pieces = [min(BLOCK, inter - i) for i in range(0, inter, BLOCK)] * 2
-        else:
-            (q13, s13), pieces = quantize_blocks(w13), None
-        q2, s2 = quantize_blocks(w2, HIDDEN, inter) if per_tensor else quantize_blocks(w2)
-        if ue8m0:
-            s13, s2 = (torch.exp2(torch.ceil(torch.log2(s))) for s in (s13, s2))
-        assert tuple(s13.shape) == tuple(module.gate_up_proj_scale_inv.shape), (s13.shape, split)
-        assert tuple(s2.shape) == tuple(module.down_proj_scale_inv.shape)
-        stored13 = s13.to(torch.float8_e8m0fnu) if ue8m0 else s13
-        stored2 = s2.to(torch.float8_e8m0fnu) if ue8m0 else s2
-        for attr, value in (("gate_up_proj", q13), ("down_proj", q2), ("gate_up_proj_scale_inv", stored13),
-                            ("down_proj_scale_inv", stored2)):
-            setattr(module, attr, nn.Parameter(value, requires_grad=False))
+        assert (module.block_size is None) == per_tensor
+        w13, w2 = fill_fp8_experts(module, *stock[name], split=split, ue8m0=ue8m0)
         reference = dequantized.get_submodule(name)
         with torch.no_grad():
-            reference.gate_up_proj.copy_(dequantize_blocks(q13, s13, pieces))
-            reference.down_proj.copy_(dequantize_blocks(q2, s2, [HIDDEN] if per_tensor else None))
+            reference.gate_up_proj.copy_(w13)
+            reference.down_proj.copy_(w2)
         converted[name] = module
     assert converted, f"{family}: no experts module became FP8Experts"
     return model, dequantized, converted
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 CASES = [

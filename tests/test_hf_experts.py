@@ -11,14 +11,13 @@ Then the layouts one by one, the prepared-once cache, and ids outside [0, E) fro
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from helpers import load_script
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,12 +25,7 @@ import safemoe.integrations.transformers  # noqa: E402,F401  registers "safemoe"
 from safemoe.health import DROPPED_SLOTS, Health  # noqa: E402
 from safemoe.integrations import hf_experts  # noqa: E402
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "models_coverage.py"
-_spec = importlib.util.spec_from_file_location("models_coverage", _SCRIPT)
-assert _spec is not None and _spec.loader is not None
-coverage = importlib.util.module_from_spec(_spec)
-sys.modules["models_coverage"] = coverage
-_spec.loader.exec_module(coverage)
+coverage = load_script("models_coverage")
 
 FAMILIES = sorted(coverage.moe_families())
 
