@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from helpers import STALE_ID, assert_close, assert_equal, device_param, garbage_ids
 from safemoe._checks import NumValid
+from safemoe.check.cases.ep import expected_overflow  # the capacity policy in plain Python, shared
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
 from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
@@ -179,25 +180,6 @@ def _local_routing(ctx: Ctx, x: torch.Tensor, moe: MoE) -> tuple[torch.Tensor, t
     return route_reference(logits.float(), ctx.top_k)
 
 
-def _expected_overflow(ids: torch.Tensor, n: int, cap: int, per_rank: int, world: int, num_experts: int):
-    """Plain-Python model of the capacity policy: ids with the overflowed slots set to -1, and the
-    number of such slots. A peer takes a rank's rows in increasing t, at most `cap` of them."""
-    kept = ids.clone()
-    taken = [0] * world
-    overflow = 0
-    for t in range(n):
-        owners = {int(e) // per_rank for e in ids[t].tolist() if 0 <= int(e) < num_experts}
-        for peer in sorted(owners):
-            taken[peer] += 1
-            if taken[peer] > cap:
-                for k in range(ids.shape[1]):
-                    e = int(ids[t, k])
-                    if 0 <= e < num_experts and e // per_rank == peer:
-                        kept[t, k] = -1
-                        overflow += 1
-    return kept, overflow
-
-
 def check_capacity_overflow(ctx: Ctx) -> None:
     moe = ctx.moe()
     x_pad, nv = ctx.padded()
@@ -211,7 +193,7 @@ def check_capacity_overflow(ctx: Ctx) -> None:
         weights, ids = _local_routing(ctx, ctx.x_own, moe)
     per_rank = ctx.experts // ctx.world
     for cap, (out, health) in results.items():
-        kept, overflow = _expected_overflow(ids.cpu(), ctx.n, cap, per_rank, ctx.world, ctx.experts)
+        kept, overflow = expected_overflow(ids.cpu(), ctx.n, cap, per_rank, ctx.world, ctx.experts)
         with torch.no_grad():
             want = experts_reference(ctx.x_own, moe.w13, moe.w2, weights, kept.to(ctx.device))
         assert health[EP_OVERFLOW_SLOTS] == overflow, (cap, health, overflow)
