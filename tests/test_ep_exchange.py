@@ -15,9 +15,19 @@ import torch
 
 from helpers import STALE_ID, assert_equal, garbage_ids, poisoned
 from safemoe._checks import NumValid
-from safemoe.distributed.ep import EPLayout, _pack, _place, _plan, _unpack, _wire_layout
+from safemoe.distributed.ep import (
+    EPLayout,
+    _exchange_torch,
+    _exchange_triton,
+    _pack,
+    _place,
+    _plan,
+    _unpack,
+    _wire_layout,
+)
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, new_health_tensor
 from safemoe.kernels import ep_exchange as kx
+from safemoe.routing import Routing
 
 K = 3
 
@@ -204,3 +214,37 @@ def test_launchers_reject_wrong_buffers() -> None:
     with pytest.raises(ValueError, match="W\\*C"):
         kx.pack_into(x, ids, weights, nv, 8, 2, block_counts, wire, meta_offset,
                      torch.zeros(4, 2, dtype=torch.int32), None, capacity=4)  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "capacity"), [("dynamic", None), ("capacity", None), ("capacity", 4)])
+def test_whole_exchange_loopback_is_bitwise_the_torch_one(device, mode, capacity) -> None:
+    """Both exchanges end to end on one process: rank 1 of 4 with the all-to-all as a loopback copy
+    (what it sends stands for what it receives: other peers' ids arrive as strays) and a local
+    "expert" that scales each received row by its summed local weights (NaN-free stand-in that
+    still depends on the ids and weights). Outputs bitwise equal, health equal."""
+    world, num_experts, num_tokens, hidden, num_valid = 4, 16, 45, 24, 40
+    layout = EPLayout(world, 1, num_experts)
+    x, ids, weights = _routing(num_tokens, num_experts, num_valid, torch.bfloat16, hidden, seed=21)
+    weights[0, -1] = 0.5  # no NaN here: the stand-in expert multiplies by the weights
+    x, ids, weights = x.to(device), ids.to(device), weights.to(device)
+
+    def loopback(out, inp, out_splits, in_splits) -> None:
+        assert out_splits == in_splits  # the loopback only works when a rank receives what it sends
+        out.copy_(inp)
+
+    def stand_in(x_recv, w, local_ids):
+        # Rows without a local slot are zeros, as safemoe.experts leaves them (their x is never read).
+        scale = torch.where(local_ids >= 0, w, 0.0).sum(dim=1, keepdim=True)
+        has_local = (local_ids >= 0).any(dim=1, keepdim=True)
+        return torch.where(has_local, (x_recv.float() * scale).to(x_recv.dtype), 0.0)
+
+    outs, healths = [], []
+    for path in (_exchange_torch, _exchange_triton):
+        health = new_health_tensor(device)
+        nv = _num_valid(num_valid, True, device)
+        outs.append(path(x, Routing(weights=weights, ids=ids), layout, mode, capacity, nv, health, loopback,
+                         stand_in))  # fmt: skip
+        healths.append(health.cpu())
+    assert_equal(outs[1].cpu(), outs[0].cpu(), what=f"{mode} C={capacity}")
+    assert_equal(healths[1], healths[0], what="health")
+    assert_equal(outs[1].cpu()[num_valid:], torch.zeros(num_tokens - num_valid, hidden, dtype=torch.bfloat16))

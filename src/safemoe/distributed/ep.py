@@ -40,6 +40,7 @@ Modes:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,7 +318,7 @@ def ep_experts(
         launches), "torch" (torch ops, the reference), "auto" (triton on CUDA, torch elsewhere).
         Both give the same rows in the same places and the same output bits.
     """
-    num_tokens, local_experts, _, _, fp8 = _checks.check_expert_weights(
+    num_tokens, experts_here, _, _, fp8 = _checks.check_expert_weights(
         x, w13, w2, activation, w13_scale, w2_scale
     )
     if workspace is not None and not isinstance(workspace, Workspace):
@@ -331,36 +332,48 @@ def ep_experts(
     nv = _checks.check_num_valid(num_valid, num_tokens, x.device)
     check_health(health, x.device)
     layout = EPLayout.of_group(num_experts, group)
-    if local_experts != layout.experts_per_rank:
+    if experts_here != layout.experts_per_rank:
         raise ValueError(
-            f"w13 holds {local_experts} experts, but E={num_experts} over {layout.world_size} ranks "
+            f"w13 holds {experts_here} experts, but E={num_experts} over {layout.world_size} ranks "
             f"gives {layout.experts_per_rank} per rank"
         )
     exchange = resolve_exchange(exchange, device=x.device)
-    if exchange == "triton" and num_tokens > 0:
-        return _ep_experts_triton(x, w13, w2, routing, layout, group, mode, capacity, activation, nv,
-                                  backend, health, workspace, fp8)  # fmt: skip
-    return _ep_experts_torch(x, w13, w2, routing, layout, group, mode, capacity, activation, nv, backend,
-                             health, workspace, fp8)  # fmt: skip
+
+    def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
+                   in_splits: list[int] | None) -> None:  # fmt: skip
+        _all_to_all(out, inp, out_splits, in_splits, group)
+
+    def experts_of_rank(x_recv: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        return ops.experts(
+            x_recv, w13, w2, weights, local_ids, activation=activation,
+            num_valid=NumValid(count=x_recv.shape[0], tensor=None), backend=backend, health=None,
+            workspace=workspace, fp8=fp8,
+        )  # fmt: skip
+
+    run = _exchange_triton if exchange == "triton" and num_tokens > 0 else _exchange_torch
+    return run(x, routing, layout, mode, capacity, nv, health, all_to_all, experts_of_rank)
 
 
-def _ep_experts_torch(
+# all_to_all(out, inp, out_splits, in_splits): the group's all_to_all_single.
+AllToAll = Callable[[torch.Tensor, torch.Tensor, "list[int] | None", "list[int] | None"], None]
+# local_experts(x [S, H], weights [S, K] float32, local ids [S, K] int32) -> [S, H]: this rank's experts.
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _exchange_torch(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
     routing: Routing,
     layout: EPLayout,
-    group: Any,
     mode: str,
     capacity: int | float | None,
-    activation: str,
     nv: NumValid,
-    backend: str,
     health: torch.Tensor | None,
-    workspace: Workspace | None,
-    fp8: Any,
+    all_to_all: AllToAll,
+    local_experts: LocalExperts,
 ) -> torch.Tensor:
-    """The exchange in torch ops: the reference the Triton exchange is tested against."""
+    """The exchange in torch ops: the reference the Triton exchange is tested against. The
+    collective and the local experts come in as functions (the bench swaps both to time the
+    exchange's own work on one GPU)."""
     num_tokens, hidden = x.shape
     num_experts = layout.num_experts
     world, top_k = layout.world_size, routing.ids.shape[1]
@@ -378,7 +391,7 @@ def _ep_experts_torch(
     if mode == "dynamic":
         send_counts = plan.need.sum(dim=0)  # [W] int64
         recv_counts = torch.empty_like(send_counts)
-        _all_to_all(recv_counts, send_counts, None, None, group)
+        all_to_all(recv_counts, send_counts, None, None)
         counts = torch.cat([send_counts, recv_counts]).tolist()  # the dynamic mode's one host sync
         send_splits, recv_splits = counts[:world], counts[world:]
         send_rows, recv_rows = sum(send_splits), sum(recv_splits)
@@ -394,24 +407,20 @@ def _ep_experts_torch(
     # 2. Exchange the packed rows.
     wire = _pack(x, routing.ids, routing.weights, plan.owner, send_token, send_peer)
     received = torch.empty(recv_rows, wire.shape[1], dtype=torch.uint8, device=device)
-    _all_to_all(received, wire, recv_splits, send_splits, group)
+    all_to_all(received, wire, recv_splits, send_splits)
 
     # 3. Local experts on the received rows, local ids bounds-checked.
     x_recv, global_ids, weights_recv = _unpack(received, hidden, top_k, x.dtype)
     local_ids, ok = layout.to_local(global_ids)
     if health is not None:
         health[DROPPED_SLOTS] += ((global_ids != -1) & ~ok).sum()  # strays: not ours, not empty
-    y = ops.experts(
-        x_recv, w13, w2, torch.where(ok, weights_recv, 0.0), local_ids, activation=activation,
-        num_valid=NumValid(count=x_recv.shape[0], tensor=None), backend=backend, health=None,
-        workspace=workspace, fp8=fp8,
-    )  # [recv rows, H], through the registered op
+    y = local_experts(x_recv, torch.where(ok, weights_recv, 0.0), local_ids)  # [recv rows, H]
 
     # 4. Send the partial outputs back; the extra zero row answers every row_of pointing at trash.
     row_bytes = y.shape[1] * y.element_size()
     back = torch.empty(send_rows + 1, row_bytes, dtype=torch.uint8, device=device)
     back[send_rows:].zero_()
-    _all_to_all(back[:send_rows], y.view(torch.uint8), send_splits, recv_splits, group)
+    all_to_all(back[:send_rows], y.view(torch.uint8), send_splits, recv_splits)
     partials = back.view(x.dtype)  # [send rows + 1, H]
 
     # 5. Combine in a fixed peer order, in fp32, rounded once.
@@ -421,21 +430,16 @@ def _ep_experts_torch(
     return out.to(x.dtype)
 
 
-def _ep_experts_triton(
+def _exchange_triton(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
     routing: Routing,
     layout: EPLayout,
-    group: Any,
     mode: str,
     capacity: int | float | None,
-    activation: str,
     nv: NumValid,
-    backend: str,
     health: torch.Tensor | None,
-    workspace: Workspace | None,
-    fp8: Any,
+    all_to_all: AllToAll,
+    local_experts: LocalExperts,
 ) -> torch.Tensor:
     """The same exchange with plan/pack, unpack and combine as Triton launches
     (`safemoe.kernels.ep_exchange`): count + pack, all-to-all, unpack, local experts, all-to-all,
@@ -457,7 +461,7 @@ def _ep_experts_triton(
     if mode == "dynamic":
         send_counts = block_counts[:, :world].sum(dim=0, dtype=torch.int64)  # [W]
         recv_counts = torch.empty_like(send_counts)
-        _all_to_all(recv_counts, send_counts, None, None, group)
+        all_to_all(recv_counts, send_counts, None, None)
         counts = torch.cat([send_counts, recv_counts]).tolist()  # the dynamic mode's one host sync
         send_splits, recv_splits = counts[:world], counts[world:]
         send_rows, recv_rows = sum(send_splits), sum(recv_splits)
@@ -473,7 +477,7 @@ def _ep_experts_triton(
     kx.pack_into(x, ids, weights, nv, layout.num_experts, world, block_counts, wire, meta_offset, row_of,
                  health, capacity=cap)  # fmt: skip
     received = torch.empty(recv_rows, row_bytes, dtype=torch.uint8, device=device)
-    _all_to_all(received, wire, recv_splits, send_splits, group)
+    all_to_all(received, wire, recv_splits, send_splits)
 
     # 3. Unpack (global -> local ids, bounds-checked) and run the local experts.
     x_recv = torch.empty(recv_rows, hidden, dtype=x.dtype, device=device)
@@ -481,15 +485,11 @@ def _ep_experts_triton(
     weights_recv = torch.empty(recv_rows, top_k, dtype=torch.float32, device=device)
     kx.unpack_into(received, meta_offset, layout.first_expert, layout.experts_per_rank, x_recv, local_ids,
                    weights_recv, health)  # fmt: skip
-    y = ops.experts(
-        x_recv, w13, w2, weights_recv, local_ids, activation=activation,
-        num_valid=NumValid(count=recv_rows, tensor=None), backend=backend, health=None,
-        workspace=workspace, fp8=fp8,
-    )  # [recv rows, H]
+    y = local_experts(x_recv, weights_recv, local_ids)  # [recv rows, H]
 
     # 4. Return the partial outputs; 5. combine them in peer order (fp32, rounded once).
     back = torch.empty(max(send_rows, 1), hidden, dtype=x.dtype, device=device)
-    _all_to_all(back[:send_rows], y, send_splits, recv_splits, group)
+    all_to_all(back[:send_rows], y, send_splits, recv_splits)
     out = torch.empty_like(x)
     kx.combine_into(back, row_of, out)
     return out

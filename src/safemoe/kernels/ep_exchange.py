@@ -46,6 +46,9 @@ BLOCK_T = 32  # rows per program of count/pack/combine: a [32, K, W] plan tile s
 BLOCK_S = 32  # received rows per program of unpack
 FILL_ROWS = 256  # blank wire rows (meta only) per program of pack
 _MAX_BLOCK_H = 512  # columns per program of the row copies (1 KB of bf16 per row per program)
+# Warps of the row-copying launches: a [32, 512] tile is 64 elements per thread with 8 warps (the
+# combine's fp32 accumulator then fits in registers; 4 warps would hold 128 per thread).
+_COPY_WARPS = 8
 
 
 @triton.jit
@@ -370,6 +373,7 @@ def pack_into(
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WORLD=world, W_PAD=w_pad,
         NB_PAD=triton.next_power_of_2(nb), BLOCK_T=BLOCK_T, BLOCK_H=block_h, FILL_ROWS=FILL_ROWS,
         DYNAMIC=capacity is None, HAS_NUM_VALID_PTR=has_nv, HAS_HEALTH=health is not None,
+        num_warps=_COPY_WARPS,
     )  # fmt: skip
 
 
@@ -396,7 +400,7 @@ def unpack_into(
         wire_rows, hidden, row_bytes // x.element_size(), row_bytes // 4, meta_offset // 4,
         first_expert, experts_per_rank,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_S=BLOCK_S, BLOCK_H=block_h,
-        HAS_HEALTH=health is not None,
+        HAS_HEALTH=health is not None, num_warps=_COPY_WARPS,
     )  # fmt: skip
 
 
@@ -410,4 +414,5 @@ def combine_into(partials: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor
     # grid: row blocks of T x column tiles of H
     _combine_kernel[(triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(hidden, block_h))](
         partials, row_of, out, num_tokens, hidden, WORLD=world, BLOCK_T=BLOCK_T, BLOCK_H=block_h,
+        num_warps=_COPY_WARPS,
     )  # fmt: skip
