@@ -52,3 +52,19 @@ def test_scaling_table_from_rows() -> None:
 def test_main_rejects_unknown_shapes() -> None:
     with pytest.raises(SystemExit):
         ep_bench.main(["--shapes", "gpt-5"])
+
+
+def test_exchange_only_rows_on_cpu(monkeypatch) -> None:
+    """The one-GPU exchange bench's rows, run on CPU (the interpreter) with the timer stubbed: both
+    exchanges give the same output bits at W = 2, 4, 8 (what `same_output` reports on the GPU)."""
+    from safemoe.bench import harness
+
+    monkeypatch.setattr(ep_bench, "_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(harness, "time_graph", lambda step, **_: (step(0), step(1), 2.0)[-1])
+    monkeypatch.setitem(ep_bench.SHAPES, "tiny", (16, 3, 24, 8))
+    for tokens, world in ((40, 4), (8, 2), (33, 8)):
+        rows = ep_bench._exchange_rows("tiny", tokens, world)
+        assert [r.impl for r in rows] == ["exchange-torch", "exchange-triton", "loopback-copies"]
+        assert all(r.median_us == 2.0 and r.variant == f"W={world}" for r in rows)
+        assert rows[0].extra["same_output"] and rows[1].extra["same_output"], (tokens, world)
+        assert rows[1].extra["speedup_vs_torch"] == 1.0

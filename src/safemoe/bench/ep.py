@@ -450,9 +450,10 @@ def run_exchange_only(
 ) -> list[BenchRow]:
     """The exchange's own work on ONE GPU, torch ops against the Triton kernels: rank 0 of a W-rank
     capacity-mode layer (C = T) with the all-to-all replaced by a local copy (loopback: the wire
-    this rank sends stands for the one it receives) and the local experts by the identity, graph
-    replay. Impls `exchange-torch`, `exchange-triton` and `loopback-copies` (the two copies alone,
-    which the real exchange does not pay: subtract them). extra `same_output`: the two exchanges'
+    this rank sends stands for the one it receives) and the local experts by a stand-in (x where
+    a row has a local slot, zeros elsewhere), graph replay. Impls `exchange-torch`,
+    `exchange-triton` and `loopback-copies` (the two copies alone, which the real exchange does not
+    pay: subtract them). extra `same_output`: the two exchanges'
     outputs agree bitwise (checked once, eagerly); `speedup_vs_torch` on the Triton row."""
     rows: list[BenchRow] = []
     for case in shapes or tuple(SHAPES):
@@ -486,12 +487,15 @@ def _exchange_rows(case: str, num_tokens: int, world: int) -> list[BenchRow]:
     def loopback(out: torch.Tensor, inp: torch.Tensor, out_splits: Any, in_splits: Any) -> None:
         out.copy_(inp)
 
-    def identity(x_recv: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        return x_recv
+    def stand_in(x_recv: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        # What the experts leave in rows without a local slot (zeros), x elsewhere: the same two
+        # small ops in both paths. (The Triton unpack does not copy x into rows without a local
+        # slot, so an identity would return bytes that no real exchange ever reads.)
+        return torch.where((local_ids >= 0).any(dim=1, keepdim=True), x_recv, 0.0)
 
     def step_of(path: Callable[..., torch.Tensor]) -> Callable[[int], torch.Tensor]:
         return lambda j: path(xs[j], routings[j], layout, "capacity", None, num_valid, health, loopback,
-                              identity)  # fmt: skip
+                              stand_in)  # fmt: skip
 
     with torch.no_grad():
         outs = [step_of(path)(0) for path in (_exchange_torch, _exchange_triton)]
