@@ -111,6 +111,7 @@ def test_count_and_pack_match_the_torch_plan(device, world, num_experts, num_tok
                                                       device)  # fmt: skip
     assert_equal(block_counts[:, :world].sum(dim=0).to(torch.int64), per_peer, what="rows per peer")
     assert_equal(row_of, want_row_of, what="row_of")
+    assert bool((row_of[num_valid:] == -1).all()), "a padding row was placed on the wire"
     x_bytes, meta_offset, _ = _wire_layout(hidden, K, dtype)
     assert_equal(wire[:, meta_offset:], want_wire[:, meta_offset:], what="ids and weight bits, every row")
     used = send_token >= 0
@@ -248,3 +249,56 @@ def test_whole_exchange_loopback_is_bitwise_the_torch_one(device, mode, capacity
     assert_equal(outs[1].cpu(), outs[0].cpu(), what=f"{mode} C={capacity}")
     assert_equal(healths[1], healths[0], what="health")
     assert_equal(outs[1].cpu()[num_valid:], torch.zeros(num_tokens - num_valid, hidden, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_capacity_exchange_captures_in_a_cuda_graph() -> None:
+    """The Triton exchange in capacity mode (loopback collective, stand-in experts, model-sized H)
+    captured once in a CUDA graph and replayed with num_valid changed in place, including 0 and
+    T: each replay equals the eager call bitwise, padded rows are zeros, health adds up."""
+    world, num_experts, num_tokens, hidden = 8, 128, 300, 2048
+    layout = EPLayout(world, 3, num_experts)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    ids = garbage_ids(num_tokens, K, num_experts, generator=gen).cuda()
+    weights = torch.rand(num_tokens, K, generator=gen).cuda()
+    routing = Routing(weights=weights, ids=ids)
+    num_valid = torch.tensor(num_tokens, dtype=torch.int32, device="cuda")
+    nv = NumValid(count=None, tensor=num_valid)
+    health = new_health_tensor("cuda")
+
+    def loopback(out, inp, out_splits, in_splits) -> None:
+        out.copy_(inp)
+
+    def stand_in(x_recv, w, local_ids):
+        return torch.where((local_ids >= 0).any(dim=1, keepdim=True), x_recv, 0.0)
+
+    def step():
+        return _exchange_triton(x, routing, layout, "capacity", 64, nv, health, loopback, stand_in)
+
+    counts = [num_tokens, 1, 0, 211, num_tokens]
+    eager, eager_health = [], []
+    for count in counts:
+        num_valid.fill_(count)
+        health.zero_()
+        eager.append(step().clone())
+        eager_health.append(health.clone())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for count, want, want_health in zip(counts, eager, eager_health, strict=True):
+        num_valid.fill_(count)
+        health.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal(out, want, what=f"replay at num_valid {count}")
+        assert_equal(out[count:], torch.zeros_like(out[count:]), what=f"padding at {count}")
+        assert_equal(health, want_health, what=f"health at {count}")
+    assert int(eager_health[0][EP_OVERFLOW_SLOTS]) > 0  # C = 64 of 300 rows: overflow counted
