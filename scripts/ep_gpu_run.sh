@@ -10,6 +10,7 @@
 # Environment:
 #   EP_TESTS_TIMEOUT   seconds for each test stage (default 150)
 #   EP_SKIP_TESTS=1    bench only
+#   EP_SKIP_BENCH=1    tests only
 #   EP_BENCH_TIMEOUT   seconds for the bench (default 480); a bench cut short keeps the rows it
 #                      finished in OUT_DIR/bench/ep.partial.jsonl
 #   EP_WORLDS          e.g. "4" or "2,4,8" (default: powers of two up to the GPUs present)
@@ -76,28 +77,34 @@ if [ -z "${EP_SKIP_TESTS:-}" ]; then
     fi
 fi
 
-echo "== bench (limit ${BENCH_TIMEOUT} s) =="
-CEILINGS=${EP_CEILINGS:-}
-if [ -z "$CEILINGS" ] && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -q "H200"; then
-    CEILINGS=$(ls bench/results/ceilings_NVIDIA-H200_*.json 2>/dev/null | tail -n 1)
+if [ -z "${EP_SKIP_BENCH:-}" ]; then
+    echo "== bench (limit ${BENCH_TIMEOUT} s) =="
+    CEILINGS=${EP_CEILINGS:-}
+    if [ -z "$CEILINGS" ] && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -q "H200"; then
+        CEILINGS=$(ls bench/results/ceilings_NVIDIA-H200_*.json 2>/dev/null | tail -n 1)
+    fi
+    BENCH_ARGS=(--out "$OUT_DIR/bench")
+    [ -n "${EP_QUICK:-}" ] && BENCH_ARGS+=(--quick)
+    [ -n "$CEILINGS" ] && BENCH_ARGS+=(--ceilings "$CEILINGS")
+    [ -n "${EP_WORLDS:-}" ] && BENCH_ARGS+=(--worlds "$EP_WORLDS")
+    [ -n "${EP_SHAPES:-}" ] && BENCH_ARGS+=(--shapes "$EP_SHAPES")
+    [ -n "${EP_TOKENS:-}" ] && BENCH_ARGS+=(--tokens "$EP_TOKENS")
+    if [ -n "${EP_EXCHANGE_ONLY:-}" ] || [ "$GPUS" -lt 2 ]; then
+        BENCH_ARGS+=(--exchange-only)
+    fi
+    echo "python3 -m safemoe.bench.ep ${BENCH_ARGS[*]}"
+    timeout -s INT --kill-after=15 "$BENCH_TIMEOUT" python3 -m safemoe.bench.ep "${BENCH_ARGS[@]}" \
+        > "$OUT_DIR/bench.log" 2>&1
+    rc=$?
+    rows=0
+    [ -f "$OUT_DIR/bench/ep.partial.jsonl" ] && rows=$(wc -l < "$OUT_DIR/bench/ep.partial.jsonl")
+    record bench "$rc" "$rows rows${CEILINGS:+, ceilings from $CEILINGS}"
+    tail -n 40 "$OUT_DIR/bench.log"
+
+else
+    STAGES=${STAGES% bench}
+    [ "$STAGES" = "bench" ] && STAGES=""
 fi
-BENCH_ARGS=(--out "$OUT_DIR/bench")
-[ -n "${EP_QUICK:-}" ] && BENCH_ARGS+=(--quick)
-[ -n "$CEILINGS" ] && BENCH_ARGS+=(--ceilings "$CEILINGS")
-[ -n "${EP_WORLDS:-}" ] && BENCH_ARGS+=(--worlds "$EP_WORLDS")
-[ -n "${EP_SHAPES:-}" ] && BENCH_ARGS+=(--shapes "$EP_SHAPES")
-[ -n "${EP_TOKENS:-}" ] && BENCH_ARGS+=(--tokens "$EP_TOKENS")
-if [ -n "${EP_EXCHANGE_ONLY:-}" ] || [ "$GPUS" -lt 2 ]; then
-    BENCH_ARGS+=(--exchange-only)
-fi
-echo "python3 -m safemoe.bench.ep ${BENCH_ARGS[*]}"
-timeout -s INT --kill-after=15 "$BENCH_TIMEOUT" python3 -m safemoe.bench.ep "${BENCH_ARGS[@]}" \
-    > "$OUT_DIR/bench.log" 2>&1
-rc=$?
-rows=0
-[ -f "$OUT_DIR/bench/ep.partial.jsonl" ] && rows=$(wc -l < "$OUT_DIR/bench/ep.partial.jsonl")
-record bench "$rc" "$rows rows${CEILINGS:+, ceilings from $CEILINGS}"
-tail -n 40 "$OUT_DIR/bench.log"
 
 {
     echo "safemoe EP GPU run: $(head -n 1 "$OUT_DIR/env.txt")"
