@@ -467,7 +467,7 @@ def run_exchange_only(
 def _exchange_rows(case: str, num_tokens: int, world: int) -> list[BenchRow]:
     from safemoe._checks import NumValid
     from safemoe.bench.harness import time_graph
-    from safemoe.distributed.ep import EPLayout, _exchange_torch, _exchange_triton, wire_row_bytes
+    from safemoe.distributed.ep import EPLayout, run_exchange, wire_row_bytes
     from safemoe.health import new_health_tensor
     from safemoe.routing import Routing
 
@@ -493,20 +493,20 @@ def _exchange_rows(case: str, num_tokens: int, world: int) -> list[BenchRow]:
         # slot, so an identity would return bytes that no real exchange ever reads.)
         return torch.where((local_ids >= 0).any(dim=1, keepdim=True), x_recv, 0.0)
 
-    def step_of(path: Callable[..., torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        return lambda j: path(xs[j], routings[j], layout, "capacity", None, num_valid, health, loopback,
-                              stand_in)  # fmt: skip
+    def step_of(exchange: str) -> Callable[[int], torch.Tensor]:
+        return lambda j: run_exchange(exchange, xs[j], routings[j], layout, "capacity", None, num_valid,
+                                      health, loopback, stand_in)  # fmt: skip
 
     with torch.no_grad():
-        outs = [step_of(path)(0) for path in (_exchange_torch, _exchange_triton)]
+        outs = [step_of(exchange)(0) for exchange in ("torch", "triton")]
     same = bool(torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)))
     rows_total = world * num_tokens
     row_bytes = wire_row_bytes(hidden, top_k, torch.bfloat16)
     wire = torch.empty(rows_total, row_bytes, dtype=torch.uint8, device=device)
     back = torch.empty(rows_total, hidden, dtype=torch.bfloat16, device=device)
     steps: dict[str, Callable[[int], object]] = {
-        "exchange-torch": step_of(_exchange_torch),
-        "exchange-triton": step_of(_exchange_triton),
+        "exchange-torch": step_of("torch"),
+        "exchange-triton": step_of("triton"),
         "loopback-copies": _copies_step(wire, back),
     }
     calls, replays = _graph_budget(rows_total)

@@ -360,6 +360,25 @@ AllToAll = Callable[[torch.Tensor, torch.Tensor, "list[int] | None", "list[int] 
 LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def run_exchange(
+    exchange: str,
+    x: torch.Tensor,
+    routing: Routing,
+    layout: EPLayout,
+    mode: str,
+    capacity: int | float | None,
+    num_valid: NumValid,
+    health: torch.Tensor | None,
+    all_to_all: AllToAll,
+    local_experts: LocalExperts,
+) -> torch.Tensor:
+    """`ep_experts`' exchange ("torch" or "triton") with the collective and this rank's experts
+    given as functions and no argument checks: for the one-GPU exchange bench (a loopback
+    collective) and tests. Layers call `ep_experts`."""
+    run = {"torch": _exchange_torch, "triton": _exchange_triton}[exchange]
+    return run(x, routing, layout, mode, capacity, num_valid, health, all_to_all, local_experts)
+
+
 def _exchange_torch(
     x: torch.Tensor,
     routing: Routing,
