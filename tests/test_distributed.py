@@ -32,7 +32,7 @@ import torch.distributed as dist
 from helpers import STALE_ID, assert_close, assert_equal, device_param, garbage_ids
 from safemoe._checks import NumValid
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
-from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode
+from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode, run_exchange
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
 from safemoe.layer import MoE
 from safemoe.reference import experts_reference, route_reference
@@ -327,7 +327,56 @@ def check_nan_router_rows(ctx: Ctx) -> None:
             assert_close(out[: ctx.n][clean], capped[clean], dtype=ctx.dtype, what=f"{what}: clean rows")
 
 
+def check_stale_ids_on_the_wire(ctx: Ctx) -> None:
+    """Ids corrupted IN TRANSIT: every rank overwrites, in the wire it received, one slot of each
+    blank row (ids all -1) with an id it does not own (123456789, -7, E + 3, another rank's expert).
+    Each is counted as a stray in DROPPED_SLOTS, never used, and every rank's output is bitwise the
+    uncorrupted one (capacity mode, C = the bucket, through `run_exchange` with the real group)."""
+    moe = ctx.moe()
+    x_pad, nv = ctx.padded()
+    layout = EPLayout.of_group(ctx.experts)
+    first, per_rank = layout.first_expert, layout.experts_per_rank
+    w13 = moe.w13[first : first + per_rank].detach()
+    w2 = moe.w2[first : first + per_rank].detach()
+    with torch.no_grad():
+        weights, ids = moe.gate(x_pad, nv)
+    routing = Routing(weights=weights, ids=ids)
+    foreign = [STALE_ID, -7, ctx.experts + 3, (first + per_rank) % ctx.experts]
+    injected = [0]
+
+    def collective(corrupt: bool):
+        calls = [0]
+
+        def all_to_all(out, inp, out_splits, in_splits) -> None:
+            dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
+            calls[0] += 1
+            if corrupt and calls[0] == 1:  # the dispatch wire: x bytes, then K ids, K weights
+                meta = out[:, -8 * ctx.top_k :].view(torch.int32)
+                blank = torch.nonzero((meta[:, : ctx.top_k] == -1).all(dim=1)).flatten().tolist()
+                for j, row in enumerate(blank):
+                    meta[row, 0] = foreign[j % len(foreign)]
+                injected[0] = len(blank)
+
+        return all_to_all
+
+    def local_experts(x_recv, w, local_ids):
+        return experts_reference(x_recv, w13, w2, w, local_ids)
+
+    outs, healths = [], []
+    for corrupt in (False, True):
+        health = new_health_tensor(ctx.device)
+        with torch.no_grad():
+            outs.append(run_exchange(ctx.setup.exchange, x_pad, routing, layout, "capacity", None,
+                                     NumValid(count=ctx.n, tensor=None), health, collective(corrupt),
+                                     local_experts))  # fmt: skip
+        healths.append(health.tolist())
+    assert injected[0] > 0, "no blank row received: the scenario does not test anything"
+    assert_equal(outs[1], outs[0], what="output with ids corrupted in transit")
+    assert healths[1][DROPPED_SLOTS] - healths[0][DROPPED_SLOTS] == injected[0], (healths, injected)
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
+    "stale_ids_on_the_wire": check_stale_ids_on_the_wire,
     "nan_router_rows": check_nan_router_rows,
     "common_bucket": check_common_bucket,
     "layer_softmax": check_layer_softmax,
