@@ -8,7 +8,7 @@
 #   bash scripts/ep_gpu_run.sh OUT_DIR
 #
 # Environment:
-#   EP_TESTS_TIMEOUT   seconds for each test stage (default 150)
+#   EP_TESTS_TIMEOUT   seconds for each test stage (default 240)
 #   EP_SKIP_TESTS=1    bench only
 #   EP_SKIP_BENCH=1    tests only
 #   EP_BENCH_TIMEOUT   seconds for the bench (default 480); a bench cut short keeps the rows it
@@ -33,7 +33,7 @@ cd "$(dirname "$0")/.."
 
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-TESTS_TIMEOUT=${EP_TESTS_TIMEOUT:-150}
+TESTS_TIMEOUT=${EP_TESTS_TIMEOUT:-240}
 BENCH_TIMEOUT=${EP_BENCH_TIMEOUT:-480}
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 
