@@ -33,7 +33,7 @@ from helpers import STALE_ID, assert_close, assert_equal, device_param, garbage_
 from safemoe._checks import NumValid
 from safemoe.check.cases.ep import expected_overflow  # the capacity policy in plain Python, shared
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
-from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode
+from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode, run_exchange
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
 from safemoe.layer import MoE
 from safemoe.reference import experts_reference, route_reference
@@ -41,6 +41,7 @@ from safemoe.routing import Routing
 from safemoe.workspace import Workspace
 
 H, I, E, K = 16, 8, 8, 3  # noqa: E741 (the project's shape names)
+EXCHANGES = ("torch", "triton")  # both exchange paths run every check in the same spawned group
 BUCKETS = (1, 2, 4, 8, 16, 32)
 # Real tokens per rank; each tuple is one scenario (a rank with 0 real tokens in each).
 COUNTS = {2: ((6, 0), (3, 13)), 4: ((5, 0, 3, 8),)}
@@ -54,6 +55,7 @@ class Setup:
     dtype: torch.dtype = torch.float32
     backend: str = "reference"
     shapes: tuple[int, int, int, int] = (H, I, E, K)
+    exchange: str = "torch"  # "triton": safemoe.kernels.ep_exchange (the interpreter on CPU)
 
 
 class Ctx:
@@ -99,7 +101,10 @@ class Ctx:
         return all_rows[self.first_row : self.first_row + self.n]
 
     def ep_kwargs(self) -> dict:
-        return {"backend": self.setup.backend}
+        return {"backend": self.setup.backend, "exchange": self.setup.exchange}
+
+
+CPU_SETUPS = tuple(Setup(exchange=exchange) for exchange in EXCHANGES)
 
 
 def _full_reference(ctx: Ctx, moe: MoE) -> torch.Tensor:
@@ -261,7 +266,100 @@ def check_no_real_tokens_anywhere(ctx: Ctx) -> None:
         assert_close(ragged, _full_reference(ctx, moe), dtype=ctx.dtype, what="beside an empty rank")
 
 
+def check_nan_router_rows(ctx: Ctx) -> None:
+    """Rank 1's real rows include a NaN row and an Inf row (its router emits non-finite logits for
+    them): counted in that rank's health, no hang, no crash, and every other row of every rank
+    equals the single-process layer; in both modes and with a capacity that overflows (there the
+    other rows equal the reference with the overflowed slots dropped, as check_capacity_overflow
+    models)."""
+    bad_rank = 1 % ctx.world
+    start = sum(ctx.counts[:bad_rank])
+    bad = [start + j for j in (0, 2) if j < ctx.counts[bad_rank]]
+    x_all = ctx.x_all.clone()
+    for row, value in zip(bad, (float("nan"), float("inf")), strict=False):
+        x_all[row] = value
+    x_own = x_all[ctx.first_row : ctx.first_row + ctx.n].to(ctx.device)
+    x_pad, nv = pad_to_common_bucket(x_own, ctx.n, buckets=BUCKETS, fill=float("nan"))
+    moe = ctx.moe()
+    results = {}
+    for mode, cap in (("dynamic", None), ("capacity", None), ("capacity", 1)):
+        health = new_health_tensor(ctx.device)
+        ep = EPMoE.from_moe(moe, mode=mode, capacity=cap, health=health, **ctx.ep_kwargs())
+        with torch.no_grad():
+            results[(mode, cap)] = (ep(x_pad, num_valid=nv), health.tolist())
+    with torch.no_grad():
+        want = ctx.own_rows(moe(x_all.to(ctx.device)))
+        weights, ids = _local_routing(ctx, x_own, moe)
+    mine_bad = [row - ctx.first_row for row in bad if ctx.first_row <= row < ctx.first_row + ctx.n]
+    clean = torch.ones(ctx.n, dtype=torch.bool)
+    clean[mine_bad] = False
+    for (mode, cap), (out, health) in results.items():
+        what = f"{mode} C={cap}"
+        assert health[NONFINITE_ROWS] == len(mine_bad), (what, health, mine_bad)
+        _check_padded_zero(out, ctx.n, what)
+        if cap is None:
+            assert_close(out[: ctx.n][clean], want[clean], dtype=ctx.dtype, what=f"{what}: clean rows")
+            assert health[EP_OVERFLOW_SLOTS] == 0, health
+        else:
+            kept, overflow = _expected_overflow(ids.cpu(), ctx.n, cap, ctx.experts // ctx.world, ctx.world,
+                                                ctx.experts)  # fmt: skip
+            with torch.no_grad():
+                capped = experts_reference(x_own, moe.w13, moe.w2, weights, kept.to(ctx.device))
+            assert health[EP_OVERFLOW_SLOTS] == overflow, (what, health, overflow)
+            assert_close(out[: ctx.n][clean], capped[clean], dtype=ctx.dtype, what=f"{what}: clean rows")
+
+
+def check_stale_ids_on_the_wire(ctx: Ctx) -> None:
+    """Ids corrupted IN TRANSIT: every rank overwrites, in the wire it received, one slot of each
+    blank row (ids all -1) with an id it does not own (123456789, -7, E + 3, another rank's expert).
+    Each is counted as a stray in DROPPED_SLOTS, never used, and every rank's output is bitwise the
+    uncorrupted one (capacity mode, C = the bucket, through `run_exchange` with the real group)."""
+    moe = ctx.moe()
+    x_pad, nv = ctx.padded()
+    layout = EPLayout.of_group(ctx.experts)
+    first, per_rank = layout.first_expert, layout.experts_per_rank
+    w13 = moe.w13[first : first + per_rank].detach()
+    w2 = moe.w2[first : first + per_rank].detach()
+    with torch.no_grad():
+        weights, ids = moe.gate(x_pad, nv)
+    routing = Routing(weights=weights, ids=ids)
+    foreign = [STALE_ID, -7, ctx.experts + 3, (first + per_rank) % ctx.experts]
+    injected = [0]
+
+    def collective(corrupt: bool):
+        calls = [0]
+
+        def all_to_all(out, inp, out_splits, in_splits) -> None:
+            dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
+            calls[0] += 1
+            if corrupt and calls[0] == 1:  # the dispatch wire: x bytes, then K ids, K weights
+                meta = out[:, -8 * ctx.top_k :].view(torch.int32)
+                blank = torch.nonzero((meta[:, : ctx.top_k] == -1).all(dim=1)).flatten().tolist()
+                for j, row in enumerate(blank):
+                    meta[row, 0] = foreign[j % len(foreign)]
+                injected[0] = len(blank)
+
+        return all_to_all
+
+    def local_experts(x_recv, w, local_ids):
+        return experts_reference(x_recv, w13, w2, w, local_ids)
+
+    outs, healths = [], []
+    for corrupt in (False, True):
+        health = new_health_tensor(ctx.device)
+        with torch.no_grad():
+            outs.append(run_exchange(ctx.setup.exchange, x_pad, routing, layout, "capacity", None,
+                                     NumValid(count=ctx.n, tensor=None), health, collective(corrupt),
+                                     local_experts))  # fmt: skip
+        healths.append(health.tolist())
+    assert injected[0] > 0, "no blank row received: the scenario does not test anything"
+    assert_equal(outs[1], outs[0], what="output with ids corrupted in transit")
+    assert healths[1][DROPPED_SLOTS] - healths[0][DROPPED_SLOTS] == injected[0], (healths, injected)
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
+    "stale_ids_on_the_wire": check_stale_ids_on_the_wire,
+    "nan_router_rows": check_nan_router_rows,
     "common_bucket": check_common_bucket,
     "layer_softmax": check_layer_softmax,
     "layer_grouped_sigmoid": check_layer_grouped_sigmoid,
@@ -275,22 +373,27 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
 def rank_checks(
     rank: int,
     world: int,
-    setup: Setup,
+    setups: tuple[Setup, ...],
     scenarios: tuple[tuple[int, ...], ...],
     checks: dict[str, Callable[[Ctx], None]] | None = None,
 ) -> dict:
-    """Run every check (default CHECKS) for every scenario on this rank; {"name[counts]": None or
-    the traceback}."""
+    """Run every check (default CHECKS) for every setup and scenario on this rank;
+    {"exchange:name[counts]": None or the traceback}."""
     results: dict[str, str | None] = {}
-    for counts in scenarios:
-        for name, check in (CHECKS if checks is None else checks).items():
-            key = f"{name}[{','.join(map(str, counts))}]"
-            try:
-                check(Ctx(rank, world, setup, counts))
-                results[key] = None
-            except Exception:
-                results[key] = traceback.format_exc(limit=-6)
+    for setup in setups:
+        for counts in scenarios:
+            for name, check in (CHECKS if checks is None else checks).items():
+                key = _key(setup.exchange, name, counts)
+                try:
+                    check(Ctx(rank, world, setup, counts))
+                    results[key] = None
+                except Exception:
+                    results[key] = traceback.format_exc(limit=-6)
     return results
+
+
+def _key(exchange: str, name: str, counts: tuple[int, ...]) -> str:
+    return f"{exchange}:{name}[{','.join(map(str, counts))}]"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,7 +401,8 @@ def rank_checks(
 # ------------------------------------------------------------------------------------------------
 
 GPU_WORLD = 2
-GPU_SETUP = Setup(device="cuda", dtype=torch.bfloat16, backend="auto", shapes=(256, 128, 16, 4))
+GPU_SETUPS = tuple(Setup(device="cuda", dtype=torch.bfloat16, backend="auto", shapes=(256, 128, 16, 4),
+                         exchange=exchange) for exchange in EXCHANGES)  # fmt: skip
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -314,7 +418,7 @@ def check_graph_capture(ctx: Ctx) -> None:
     workspace = Workspace(GPU_WORLD * bucket, experts // GPU_WORLD, top_k, hidden, inter, ctx.dtype,
                           ctx.device)
     health = new_health_tensor(ctx.device)
-    ep = EPMoE.from_moe(moe, mode="capacity", workspace=workspace, health=health, backend="auto")
+    ep = EPMoE.from_moe(moe, mode="capacity", workspace=workspace, health=health, **ctx.ep_kwargs())
     static_x = torch.full((bucket, hidden), float("nan"), dtype=ctx.dtype, device=ctx.device)
     static_x[: ctx.n] = ctx.x_own
     num_valid = torch.tensor(ctx.n, dtype=torch.int32, device=ctx.device)
@@ -362,7 +466,7 @@ GPU_CHECKS: dict[str, Callable[[Ctx], None]] = {**CHECKS, "graph_capture": check
 
 
 def gpu_rank_checks(rank: int, world: int, scenarios: tuple[tuple[int, ...], ...]) -> dict:
-    return rank_checks(rank, world, GPU_SETUP, scenarios, GPU_CHECKS)
+    return rank_checks(rank, world, GPU_SETUPS, scenarios, GPU_CHECKS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -376,8 +480,8 @@ def group_results(device: str, world: int) -> tuple[dict, ...] | str:
     device and world size), or the reason the group failed."""
     try:
         if device == "cpu":
-            return tuple(spawn(rank_checks, world, Setup(), COUNTS[world], timeout_s=45.0,
-                               join_timeout_s=150.0))
+            return tuple(spawn(rank_checks, world, CPU_SETUPS, COUNTS[world], timeout_s=45.0,
+                               join_timeout_s=240.0))
         for name, value in NO_MULTICAST.items():
             os.environ.setdefault(name, value)
         return tuple(spawn(gpu_rank_checks, world, COUNTS[world], backend="nccl", timeout_s=60.0,
@@ -397,15 +501,17 @@ def _group_params() -> list:
     Triton); the NCCL group needs 2 GPUs."""
     two_gpus = pytest.mark.skipif(torch.cuda.device_count() < GPU_WORLD, reason="needs 2 GPUs")
     params = []
-    for device, worlds, checks in (("cpu", COUNTS, CHECKS), ("cuda", (GPU_WORLD,), GPU_CHECKS)):
+    for device, worlds, checks, setups in (("cpu", COUNTS, CHECKS, CPU_SETUPS),
+                                           ("cuda", (GPU_WORLD,), GPU_CHECKS, GPU_SETUPS)):  # fmt: skip
         for world in worlds:
-            for counts in COUNTS[world]:
-                for name in checks:
-                    key = f"{name}[{','.join(map(str, counts))}]"
-                    if device == "cpu":
-                        params.append(pytest.param(device, world, key))
-                    else:
-                        params.append(device_param(device, world, key, marks=[two_gpus]))
+            for setup in setups:
+                for counts in COUNTS[world]:
+                    for name in checks:
+                        key = _key(setup.exchange, name, counts)
+                        if device == "cpu":
+                            params.append(pytest.param(device, world, key))
+                        else:
+                            params.append(device_param(device, world, key, marks=[two_gpus]))
     return params
 
 
@@ -504,12 +610,15 @@ def test_world_of_one_is_the_plain_layer_and_checks_arguments() -> None:
     x = torch.cat([ctx.x_own, torch.full((3, H), float("nan"))])
     want = moe(ctx.x_own)
     for mode in ("dynamic", "capacity"):
-        ep = EPMoE.from_moe(moe, mode=mode)
-        out = ep(x, num_valid=5)
-        assert_close(out[:5], want, what=mode)
-        _check_padded_zero(out, 5, mode)
-        assert ep(x.view(2, 4, H), num_valid=5).shape == (2, 4, H)
-        assert "rank=0/1" in repr(ep)
+        for exchange in EXCHANGES:
+            ep = EPMoE.from_moe(moe, mode=mode, exchange=exchange)
+            out = ep(x, num_valid=torch.tensor(5))
+            assert_close(out[:5], want, what=f"{mode} {exchange}")
+            _check_padded_zero(out, 5, mode)
+            assert ep(x.view(2, 4, H), num_valid=5).shape == (2, 4, H)
+            assert "rank=0/1" in repr(ep) and f"exchange={exchange}" in repr(ep)
+    with pytest.raises(ValueError, match="exchange"):
+        EPMoE.from_moe(moe, exchange="nccl")
     ep = EPMoE.from_moe(moe)
     routing = Routing(weights=torch.ones(8, K), ids=torch.zeros(8, K, dtype=torch.int32))
     with pytest.raises(ValueError, match="per rank"):

@@ -1,17 +1,23 @@
 """Suite `ep`: the expert-parallel layer (`safemoe.distributed.EPMoE`) on W GPUs of one host,
 against one GPU running the same global batch.
 
-Cases: Qwen3-30B-A3B (E=128, K=8, H=2048, I=768) and DeepSeek-V3 (E=256, K=8, H=7168, I=2048)
-dims, bf16, random weights and router; T real tokens PER RANK in {1, 8, 64, 256, 4096} (data
-parallel: the global batch is W*T); W = 2, and 4 too where the host has 4 GPUs. NCCL with NVLink
-multicast off. Each configuration runs in a spawned group of W ranks (`safemoe.distributed.spawn`).
+Cases: Qwen3-30B-A3B (E=128, K=8, H=2048, I=768), DeepSeek-V3 (E=256, K=8, H=7168, I=2048) and
+Qwen3-Next (E=512, K=10, H=2048, I=512) dims, bf16, random weights and router; T real tokens PER
+RANK in {8, 64, 256, 1024, 4096, 8192} (data parallel: the global batch is W*T); W = every power
+of two from 2 up to the GPUs present (or `--worlds`). NCCL with NVLink multicast off. Each world
+size runs in one spawned group of W ranks (`safemoe.distributed.spawn`).
 
 Impls (variant "W=<world>"):
 - `ep-capacity`: the whole layer (router, dispatch all-to-all, local experts, return all-to-all,
-  combine) in capacity mode with C = T rows per peer (no overflow possible), CUDA-graph replay.
-- `ep-dynamic`: the dynamic mode (exact sizes, one host sync per call), eager.
+  combine) in capacity mode with C = T rows per peer (no overflow possible), the Triton exchange
+  (`safemoe.kernels.ep_exchange`: count, pack, unpack, combine), CUDA-graph replay.
+- `ep-capacity-torch`: the same with the torch-ops exchange (the first version), graph replay.
+- `ep-dynamic`: the dynamic mode (exact sizes, one host sync per call), Triton exchange, eager.
 - `a2a-only`: the capacity mode's two all_to_all_single calls alone (same buffers), graph replay:
   the communication inside `ep-capacity`.
+- `local-experts`: this rank's expert kernels alone on the W*T rows it receives in capacity mode
+  (the global batch with this rank's slots as local ids, the others -1), graph replay: the compute
+  inside `ep-capacity`.
 - `1gpu-global`: `safemoe.MoE` (Triton) with all E experts on ONE GPU and the W*T global tokens,
   graph replay: what EP is compared with.
 
@@ -29,11 +35,15 @@ bandwidth and FLOPs / bf16 peak). EP rows: per rank, 1/W of the distinct experts
 batch (+ the router) / read bandwidth, or 1/W of the FLOPs / peak, whichever is larger. `a2a-only`
 has no floor (the harness does not measure NVLink).
 
-extra: `scaling_vs_1gpu` = 1gpu-global / ep time (> 1: EP on W GPUs beats one GPU on the same
-global batch; the ideal is W), `efficiency` = scaling / W, `comm_share` = a2a-only / ep-capacity,
-`a2a_gbps` = remote bytes / a2a-only time, `ranks_us` = every rank's median.
+extra: `tokens_per_s` = W*T / time (global tokens per second of the whole layer);
+`scaling_vs_1gpu` = 1gpu-global / ep time (> 1: EP on W GPUs beats one GPU on the same global
+batch; the ideal is W), `efficiency` = scaling / W; on `ep-capacity` the split `comm_us`
+(a2a-only), `compute_us` (local-experts) and `rest_us` (what remains: router, count/pack/unpack/
+combine, launch gaps); `comm_share` = a2a-only / ep-capacity, `a2a_gbps` = remote bytes / a2a-only
+time, `ranks_us` = every rank's median.
 
-Run alone (before the suite is registered): `python -m safemoe.bench.ep --out DIR [--quick]`.
+Run alone: `python -m safemoe.bench.ep --out DIR [--quick] [--worlds 2,4,8] [--shapes deepseek-v3]
+[--tokens 1024,4096]`; writes ep.{csv,json,png} and ep_scaling.md (the scaling table).
 """
 
 from __future__ import annotations
@@ -68,12 +78,14 @@ SUITE = "ep"
 SHAPES: dict[str, tuple[int, int, int, int]] = {  # E, K, H, I
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "deepseek-v3": (256, 8, 7168, 2048),
+    "qwen3-next": (512, 10, 2048, 512),
 }
-TOKENS = (1, 8, 64, 256, 4096)
-QUICK_TOKENS = (1, 64, 4096)
+TOKENS = (8, 64, 256, 1024, 4096, 8192)
+QUICK_TOKENS = (8, 256, 4096)
 N_VARIANTS = 2  # the weights (GBs) dwarf L2 already; two input sets keep activations honest
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-IMPLS = ("ep-capacity", "ep-dynamic", "a2a-only", "1gpu-global")
+IMPLS = ("ep-capacity", "ep-capacity-torch", "ep-dynamic", "a2a-only", "local-experts", "1gpu-global")
+EP_IMPLS = ("ep-capacity", "ep-capacity-torch", "ep-dynamic")
 # Where rank 0 appends each finished row as JSON (set by main(): a run cut short keeps its rows).
 PARTIAL_ENV = "SAFEMOE_BENCH_EP_PARTIAL"
 
@@ -169,7 +181,7 @@ def _ep_floor_us(
 def _measure(
     ep: Any, moe: Any, ctrl: Any, rank: int, world: int, tokens: int, shape: tuple[int, int, int, int]
 ) -> tuple[dict[str, tuple[float | None, str]], list[int]]:
-    """This rank's timings of the four impls at T tokens per rank, and the rows its dynamic-mode
+    """This rank's timings of every impl at T tokens per rank, and the rows its dynamic-mode
     dispatch sends to each peer."""
     import torch.distributed as dist
 
@@ -200,12 +212,31 @@ def _measure(
     def one_gpu_step(j: int) -> torch.Tensor:  # every rank, on its own GPU, independently
         return moe(xs_all[j])
 
+    import safemoe
+    from safemoe.routing import Routing
+
+    with torch.no_grad():  # what this rank receives in capacity mode: the global batch, local ids
+        local_routing = []
+        for x_all in xs_all:
+            weights_all, ids_all = ep.gate(x_all, None)
+            local_ids, ok = ep.layout.to_local(ids_all)
+            local_routing.append(Routing(weights=torch.where(ok, weights_all, 0.0).contiguous(),
+                                         ids=local_ids.contiguous()))  # fmt: skip
+
+    def local_step(j: int) -> torch.Tensor:
+        return safemoe.experts(xs_all[j], ep.w13, ep.w2, local_routing[j], workspace=ep._workspace)
+
     measured: dict[str, tuple[float | None, str]] = {}
     iters = 10 if global_tokens <= 1024 else 5
     with torch.no_grad():
         ep.mode, ep.capacity = "capacity", None
+        ep.exchange = "triton"
         measured["ep-capacity"] = _guarded(lambda: _time_graph_all_ranks(ep_step, ctrl, global_tokens))
+        ep.exchange = "torch"
+        measured["ep-capacity-torch"] = _guarded(lambda: _time_graph_all_ranks(ep_step, ctrl, global_tokens))
+        ep.exchange = "triton"
         measured["a2a-only"] = _guarded(lambda: _time_graph_all_ranks(a2a_step, ctrl, global_tokens))
+        measured["local-experts"] = _guarded(lambda: _time_graph_all_ranks(local_step, ctrl, global_tokens))
         ep.mode = "dynamic"
         measured["ep-dynamic"] = _guarded(lambda: (_time_eager_all_ranks(ep_step, ctrl, iters), "eager"))
         ep.mode = "capacity"
@@ -255,6 +286,7 @@ def _rank_case(
         cap_bytes = world * tokens * row_bytes
         bytes_of = {
             "ep-capacity": (cap_bytes, cap_bytes * (world - 1) // world),
+            "ep-capacity-torch": (cap_bytes, cap_bytes * (world - 1) // world),
             "a2a-only": (cap_bytes, cap_bytes * (world - 1) // world),
             "ep-dynamic": (sum(per_peer) * row_bytes, (sum(per_peer) - per_peer[rank]) * row_bytes),
         }
@@ -263,8 +295,10 @@ def _rank_case(
         ep_floor = _ep_floor_us(shape, tokens, world, ceilings)
         floors = {
             "ep-capacity": ep_floor,
+            "ep-capacity-torch": ep_floor,
             "ep-dynamic": ep_floor,
             "a2a-only": None,
+            "local-experts": None,
             "1gpu-global": moe_floor_us(num_experts, top_k, hidden, inter, global_tokens, ceilings)[0],
         }
         for impl in IMPLS:
@@ -273,9 +307,15 @@ def _rank_case(
                                                   for g in gathered]}  # fmt: skip
             if impl in bytes_of:
                 extra["a2a_bytes"], extra["remote_bytes"] = bytes_of[impl]
-            if impl.startswith("ep-") and us and one_gpu:
+            if us and impl != "a2a-only" and impl != "local-experts":
+                extra["tokens_per_s"] = round(global_tokens / (us * 1e-6))
+            if impl in EP_IMPLS and us and one_gpu:
                 extra["scaling_vs_1gpu"] = round(one_gpu / us, 3)
                 extra["efficiency"] = round(one_gpu / us / world, 3)
+            if impl == "ep-capacity" and us and slowest["a2a-only"] and slowest["local-experts"]:
+                extra["comm_us"] = round(slowest["a2a-only"], 1)
+                extra["compute_us"] = round(slowest["local-experts"], 1)
+                extra["rest_us"] = round(us - slowest["a2a-only"] - slowest["local-experts"], 1)
             if impl == "a2a-only" and us:
                 extra["a2a_gbps"] = round(bytes_of[impl][1] / (us * 1e-6) / 1e9, 1)
                 if slowest["ep-capacity"]:
@@ -326,25 +366,175 @@ def _rank_main(
     return [asdict(row) for row in rows]
 
 
-def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
+def default_worlds(gpus: int) -> tuple[int, ...]:
+    """Every power of two from 2 up to the GPUs present."""
+    return tuple(w for w in (2, 4, 8, 16) if w <= gpus)
+
+
+def run(
+    ceilings: DeviceCeilings,
+    *,
+    quick: bool,
+    worlds: tuple[int, ...] | None = None,
+    shapes: tuple[str, ...] | None = None,
+    tokens: tuple[int, ...] | None = None,
+) -> list[BenchRow]:
+    """Every world size (default: `default_worlds` of the GPUs present; sizes above it are
+    skipped with a note), shape and T per rank."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    chosen = {name: SHAPES[name] for name in (shapes or tuple(SHAPES))}
     if gpus < 2:
         note = f"skipped: expert parallelism needs >= 2 GPUs on one host, this machine has {gpus}"
         print(f"suite {SUITE}: {note}")
-        return [BenchRow(SUITE, case, 0, "skipped", "ep-capacity", None, note=note) for case in SHAPES]
+        return [BenchRow(SUITE, case, 0, "skipped", "ep-capacity", None, note=note) for case in chosen]
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
     from safemoe.distributed import spawn
 
-    tokens = QUICK_TOKENS if quick else TOKENS
+    token_list = tokens or (QUICK_TOKENS if quick else TOKENS)
     rows: list[BenchRow] = []
-    for world in (w for w in (2, 4) if w <= gpus):
+    for world in worlds or default_worlds(gpus):
+        if world > gpus:
+            note = f"skipped: W={world} needs {world} GPUs, this host has {gpus}"
+            print(f"suite {SUITE}: {note}", flush=True)
+            rows += [BenchRow(SUITE, case, 0, f"W={world}", "ep-capacity", None, note=note)
+                     for case in chosen]  # fmt: skip
+            continue
         results = spawn(
-            _rank_main, world, tokens, ceilings.to_dict(), SHAPES,
-            backend="nccl", timeout_s=180.0, join_timeout_s=1800.0, env=NO_MULTICAST,
+            _rank_main, world, token_list, ceilings.to_dict(), chosen,
+            backend="nccl", timeout_s=300.0, join_timeout_s=3600.0, env=NO_MULTICAST,
         )  # fmt: skip
         rows += [BenchRow(**data) for data in results[0]]
     return rows
+
+
+def _cell(row: BenchRow | None, key: str, suffix: str = "") -> str:
+    value = None if row is None else row.extra.get(key)
+    if value is None:
+        return "-"
+    return f"{value:,}{suffix}" if isinstance(value, int) else f"{value}{suffix}"
+
+
+def scaling_table(rows: list[BenchRow]) -> str:
+    """Markdown: per case, W and T per rank, one GPU's and EP's global tokens/s, the scaling of
+    the Triton exchange (ep-capacity), the torch exchange and the dynamic mode, and the
+    ep-capacity time split."""
+    by_key = {(r.case, r.variant, r.tokens, r.impl): r for r in rows}
+    lines = []
+    for case in sorted({r.case for r in rows}):
+        lines += [
+            f"\n{case}\n",
+            "| W | T/rank | 1 GPU tok/s | EP tok/s | scaling | torch exchange | dynamic | comm us | "
+            "compute us | rest us |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        keys = sorted({(r.variant, r.tokens) for r in rows if r.case == case}, key=lambda k: (len(k[0]), k))
+        for variant, tokens in keys:
+            row = {impl: by_key.get((case, variant, tokens, impl)) for impl in IMPLS}
+            ep = row["ep-capacity"]
+            if ep is None or ep.median_us is None:
+                continue
+            lines.append(
+                f"| {variant[2:]} | {tokens} | {_cell(row['1gpu-global'], 'tokens_per_s')} | "
+                f"{_cell(ep, 'tokens_per_s')} | {_cell(ep, 'scaling_vs_1gpu', 'x')} | "
+                f"{_cell(row['ep-capacity-torch'], 'scaling_vs_1gpu', 'x')} | "
+                f"{_cell(row['ep-dynamic'], 'scaling_vs_1gpu', 'x')} | {_cell(ep, 'comm_us')} | "
+                f"{_cell(ep, 'compute_us')} | {_cell(ep, 'rest_us')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_exchange_only(
+    *, shapes: tuple[str, ...] | None = None, tokens: tuple[int, ...] | None = None,
+    worlds: tuple[int, ...] = (2, 4, 8), quick: bool = False,
+) -> list[BenchRow]:
+    """The exchange's own work on ONE GPU, torch ops against the Triton kernels: rank 0 of a W-rank
+    capacity-mode layer (C = T) with the all-to-all replaced by a local copy (loopback: the wire
+    this rank sends stands for the one it receives) and the local experts by a stand-in (x where
+    a row has a local slot, zeros elsewhere), graph replay. Impls `exchange-torch`,
+    `exchange-triton` and `loopback-copies` (the two copies alone, which the real exchange does not
+    pay: subtract them). extra `same_output`: the two exchanges'
+    outputs agree bitwise (checked once, eagerly); `speedup_vs_torch` on the Triton row."""
+    rows: list[BenchRow] = []
+    for case in shapes or tuple(SHAPES):
+        for num_tokens in tokens or (QUICK_TOKENS if quick else TOKENS):
+            for world in worlds:
+                rows += _exchange_rows(case, num_tokens, world)
+            print(f"ep exchange-only: {case} T={num_tokens} done", flush=True)
+    return rows
+
+
+def _exchange_rows(case: str, num_tokens: int, world: int) -> list[BenchRow]:
+    from safemoe._checks import NumValid
+    from safemoe.bench.harness import time_graph
+    from safemoe.distributed.ep import EPLayout, run_exchange, wire_row_bytes
+    from safemoe.health import new_health_tensor
+    from safemoe.routing import Routing
+
+    num_experts, top_k, hidden, _ = SHAPES[case]
+    device = _device()
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    xs = [torch.randn(num_tokens, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+          for _ in range(N_VARIANTS)]  # fmt: skip
+    routings = []
+    for _ in range(N_VARIANTS):
+        weights, ids = torch.rand(num_tokens, num_experts, generator=gen, device=device).topk(top_k, dim=1)
+        routings.append(Routing(weights=weights.contiguous(), ids=ids.to(torch.int32).contiguous()))
+    num_valid = NumValid(count=None, tensor=torch.tensor(num_tokens, dtype=torch.int32, device=device))
+    health = new_health_tensor(device)
+    layout = EPLayout(world, 0, num_experts)
+
+    def loopback(out: torch.Tensor, inp: torch.Tensor, out_splits: Any, in_splits: Any) -> None:
+        out.copy_(inp)
+
+    def stand_in(x_recv: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        # What the experts leave in rows without a local slot (zeros), x elsewhere: the same two
+        # small ops in both paths. (The Triton unpack does not copy x into rows without a local
+        # slot, so an identity would return bytes that no real exchange ever reads.)
+        return torch.where((local_ids >= 0).any(dim=1, keepdim=True), x_recv, 0.0)
+
+    def step_of(exchange: str) -> Callable[[int], torch.Tensor]:
+        return lambda j: run_exchange(exchange, xs[j], routings[j], layout, "capacity", None, num_valid,
+                                      health, loopback, stand_in)  # fmt: skip
+
+    with torch.no_grad():
+        outs = [step_of(exchange)(0) for exchange in ("torch", "triton")]
+    same = bool(torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)))
+    rows_total = world * num_tokens
+    row_bytes = wire_row_bytes(hidden, top_k, torch.bfloat16)
+    wire = torch.empty(rows_total, row_bytes, dtype=torch.uint8, device=device)
+    back = torch.empty(rows_total, hidden, dtype=torch.bfloat16, device=device)
+    steps: dict[str, Callable[[int], object]] = {
+        "exchange-torch": step_of("torch"),
+        "exchange-triton": step_of("triton"),
+        "loopback-copies": _copies_step(wire, back),
+    }
+    calls, replays = _graph_budget(rows_total)
+    measured: dict[str, tuple[float | None, str]] = {}
+    for name, step in steps.items():
+        try:
+            with torch.no_grad():
+                timed = time_graph(step, n_variants=N_VARIANTS, calls_per_graph=calls, replays=replays,
+                                   warmup=2)  # fmt: skip
+            measured[name] = (timed, "graph, 1 GPU loopback")
+        except Exception as exc:
+            traceback.print_exc()
+            measured[name] = (None, f"error: {type(exc).__name__}: {str(exc)[:160]}")
+    rows = []
+    torch_us = measured["exchange-torch"][0]
+    for name, (us, note) in measured.items():
+        extra: dict[str, Any] = {"same_output": same} if name.startswith("exchange") else {}
+        if name == "exchange-triton" and us and torch_us:
+            extra["speedup_vs_torch"] = round(torch_us / us, 2)
+        rows.append(BenchRow(SUITE, case, num_tokens, f"W={world}", name, us, None, note, extra))
+        _append_partial(rows[-1])
+    return rows
+
+
+def _copies_step(wire: torch.Tensor, back: torch.Tensor) -> Callable[[int], object]:
+    """The loopback's two copies alone (from a second buffer, as the loopback copies send -> recv)."""
+    wire_src, back_src = wire.clone(), back.clone()
+    return lambda j: (wire.copy_(wire_src), back.copy_(back_src))
 
 
 def plot(rows: list[BenchRow], out_dir: Path) -> Path | None:
@@ -410,7 +600,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ceilings", type=Path, default=None,
                         help="reuse the ceilings of an earlier run's JSON")  # fmt: skip
+    parser.add_argument("--worlds", type=_ints, default=None,
+                        help="world sizes, e.g. 2,4,8 (default: powers of two up to the GPUs present)")
+    parser.add_argument("--shapes", type=lambda v: tuple(v.split(",")), default=None,
+                        help=f"cases among {','.join(SHAPES)} (default: all)")
+    parser.add_argument("--tokens", type=_ints, default=None, help="T per rank, e.g. 256,1024")
+    parser.add_argument("--exchange-only", action="store_true",
+                        help="one GPU: the exchange's own work, torch ops vs Triton (no collectives)")
     args = parser.parse_args(argv)
+    for name in args.shapes or ():
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown case {name!r}; known: {', '.join(SHAPES)}")
     if not torch.cuda.is_available():
         print("GPU timings need a CUDA GPU; nothing timed (this machine has no CUDA device).")
         return 0
@@ -424,10 +624,22 @@ def main(argv: list[str] | None = None) -> int:
     # Through the imported module, so the spawned ranks find _rank_main under its real name even
     # when this file runs as __main__.
     suite = importlib.import_module("safemoe.bench.ep")
-    rows = suite.run(ceilings, quick=args.quick)
+    if args.exchange_only:
+        rows = suite.run_exchange_only(shapes=args.shapes, tokens=args.tokens,
+                                       worlds=args.worlds or (2, 4, 8), quick=args.quick)  # fmt: skip
+        write_results(rows, args.out, f"{SUITE}_exchange", ceilings)
+        return 0
+    rows = suite.run(ceilings, quick=args.quick, worlds=args.worlds, shapes=args.shapes, tokens=args.tokens)
     write_results(rows, args.out, SUITE, ceilings)
+    table = scaling_table(rows)
+    (args.out / f"{SUITE}_scaling.md").write_text(table)
+    print(table)
     plot(rows, args.out)
     return 0
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in value.split(",") if v)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ Modes:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ from safemoe.routing import Routing
 from safemoe.workspace import Workspace
 
 MODES = ("dynamic", "capacity")
+EXCHANGES = ("auto", "triton", "torch")
 
 # Wire row: x's H elements as bytes, padded to 4 bytes, then K int32 ids and K float32 weights.
 _META_BYTES_PER_SLOT = 8
@@ -136,6 +138,35 @@ def _plan(ids: torch.Tensor, rows_valid: torch.Tensor, layout: EPLayout) -> _Pla
     need = hit.any(dim=1)  # [T, W]
     pos = torch.cumsum(need, dim=0, dtype=torch.int64) - 1  # [T, W]
     return _Plan(served=served, hit=hit, need=need, pos=pos, owner=owner)
+
+
+def _place(
+    plan: _Plan, capacity: int | None, send_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_of [T, W] int64, send_token [S] int64, send_peer [S] int64, overflow 0-dim int64).
+
+    row_of[t, p]: the wire row of (t, p), `send_rows` (a trash row past the end) where t is not
+    placed on p. send_token[j]: the row in wire row j, -1 for a blank row. capacity None: dynamic
+    mode (peer p's rows start after those of peers < p); an int C: capacity mode (peer p owns wire
+    rows [p * C, (p + 1) * C), rows with pos >= C are not placed: overflow counts their slots)."""
+    num_tokens, world = plan.need.shape
+    device = plan.need.device
+    peers = torch.arange(world, device=device)
+    if capacity is None:
+        send_counts = plan.need.sum(dim=0)
+        placed = plan.need
+        base = torch.cumsum(send_counts, 0) - send_counts  # [W] first wire row of each peer
+        send_peer = torch.repeat_interleave(peers, send_counts, output_size=send_rows)
+    else:
+        placed = plan.need & (plan.pos < capacity)  # [T, W]
+        base = peers * capacity
+        send_peer = torch.arange(send_rows, device=device) // capacity
+    overflow = (plan.hit & ~placed[:, None, :]).sum()
+    row_of = torch.where(placed, base[None, :] + plan.pos, send_rows)  # [T, W] int64
+    token_of = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, world)
+    send_token = torch.full((send_rows + 1,), -1, dtype=torch.int64, device=device)
+    send_token.scatter_(0, row_of.reshape(-1), token_of.reshape(-1))  # the trash row may take many
+    return row_of, send_token[:send_rows], send_peer, overflow
 
 
 def rows_per_peer(ids: torch.Tensor, rows_valid: torch.Tensor, layout: EPLayout) -> torch.Tensor:
@@ -230,6 +261,19 @@ def check_mode(mode: object, capacity: object) -> str:
     return str(mode)
 
 
+def check_exchange(exchange: object) -> str:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    return str(exchange)
+
+
+def resolve_exchange(exchange: str, device: torch.device) -> str:
+    """'auto' is the Triton exchange on CUDA and the torch one elsewhere (the interpreter is slow)."""
+    if exchange == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return exchange
+
+
 def _all_to_all(
     out: torch.Tensor,
     inp: torch.Tensor,
@@ -257,6 +301,7 @@ def ep_experts(
     workspace: Workspace | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    exchange: str = "auto",
 ) -> torch.Tensor:
     """Expert-parallel `safemoe.experts`: this rank's x [T, H] and routing (GLOBAL ids in [0, E)),
     this rank's experts w13 [E/W, 2I, H] and w2 [E/W, H, I]; returns [T, H] in x's dtype.
@@ -269,8 +314,11 @@ def ep_experts(
     workspace: passed to the local expert call, which sees W * C rows in "capacity" mode and the
         received row count in "dynamic" mode.
     w13_scale, w2_scale: fp8 (float8_e4m3fn) local experts' scales, as in `safemoe.experts`.
+    exchange: how plan/pack/unpack/combine run: "triton" (`safemoe.kernels.ep_exchange`, four
+        launches), "torch" (torch ops, the reference), "auto" (triton on CUDA, torch elsewhere).
+        Both give the same rows in the same places and the same output bits.
     """
-    num_tokens, local_experts, hidden, _, fp8 = _checks.check_expert_weights(
+    num_tokens, experts_here, _, _, fp8 = _checks.check_expert_weights(
         x, w13, w2, activation, w13_scale, w2_scale
     )
     if workspace is not None and not isinstance(workspace, Workspace):
@@ -280,14 +328,73 @@ def ep_experts(
         raise TypeError(f"routing must be a safemoe.Routing, got {type(routing).__name__}")
     _checks.check_routing_tensors(routing.ids, routing.weights, num_tokens, x.device)
     mode = check_mode(mode, capacity)
+    exchange = check_exchange(exchange)
     nv = _checks.check_num_valid(num_valid, num_tokens, x.device)
     check_health(health, x.device)
     layout = EPLayout.of_group(num_experts, group)
-    if local_experts != layout.experts_per_rank:
+    if experts_here != layout.experts_per_rank:
         raise ValueError(
-            f"w13 holds {local_experts} experts, but E={num_experts} over {layout.world_size} ranks "
+            f"w13 holds {experts_here} experts, but E={num_experts} over {layout.world_size} ranks "
             f"gives {layout.experts_per_rank} per rank"
         )
+    exchange = resolve_exchange(exchange, device=x.device)
+
+    def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
+                   in_splits: list[int] | None) -> None:  # fmt: skip
+        _all_to_all(out, inp, out_splits, in_splits, group)
+
+    def experts_of_rank(x_recv: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        return ops.experts(
+            x_recv, w13, w2, weights, local_ids, activation=activation,
+            num_valid=NumValid(count=x_recv.shape[0], tensor=None), backend=backend, health=None,
+            workspace=workspace, fp8=fp8,
+        )  # fmt: skip
+
+    run = _exchange_triton if exchange == "triton" and num_tokens > 0 else _exchange_torch
+    return run(x, routing, layout, mode, capacity, nv, health, all_to_all, experts_of_rank)
+
+
+# all_to_all(out, inp, out_splits, in_splits): the group's all_to_all_single.
+AllToAll = Callable[[torch.Tensor, torch.Tensor, "list[int] | None", "list[int] | None"], None]
+# local_experts(x [S, H], weights [S, K] float32, local ids [S, K] int32) -> [S, H]: this rank's experts.
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def run_exchange(
+    exchange: str,
+    x: torch.Tensor,
+    routing: Routing,
+    layout: EPLayout,
+    mode: str,
+    capacity: int | float | None,
+    num_valid: NumValid,
+    health: torch.Tensor | None,
+    all_to_all: AllToAll,
+    local_experts: LocalExperts,
+) -> torch.Tensor:
+    """`ep_experts`' exchange ("torch" or "triton") with the collective and this rank's experts
+    given as functions and no argument checks: for the one-GPU exchange bench (a loopback
+    collective) and tests. Layers call `ep_experts`."""
+    run = {"torch": _exchange_torch, "triton": _exchange_triton}[exchange]
+    return run(x, routing, layout, mode, capacity, num_valid, health, all_to_all, local_experts)
+
+
+def _exchange_torch(
+    x: torch.Tensor,
+    routing: Routing,
+    layout: EPLayout,
+    mode: str,
+    capacity: int | float | None,
+    nv: NumValid,
+    health: torch.Tensor | None,
+    all_to_all: AllToAll,
+    local_experts: LocalExperts,
+) -> torch.Tensor:
+    """The exchange in torch ops: the reference the Triton exchange is tested against. The
+    collective and the local experts come in as functions (the bench swaps both to time the
+    exchange's own work on one GPU)."""
+    num_tokens, hidden = x.shape
+    num_experts = layout.num_experts
     world, top_k = layout.world_size, routing.ids.shape[1]
     device = x.device
 
@@ -303,53 +410,36 @@ def ep_experts(
     if mode == "dynamic":
         send_counts = plan.need.sum(dim=0)  # [W] int64
         recv_counts = torch.empty_like(send_counts)
-        _all_to_all(recv_counts, send_counts, None, None, group)
+        all_to_all(recv_counts, send_counts, None, None)
         counts = torch.cat([send_counts, recv_counts]).tolist()  # the dynamic mode's one host sync
         send_splits, recv_splits = counts[:world], counts[world:]
         send_rows, recv_rows = sum(send_splits), sum(recv_splits)
-        placed = plan.need
-        base = torch.cumsum(send_counts, 0) - send_counts  # [W] first wire row of each peer
-        send_peer = torch.repeat_interleave(
-            torch.arange(world, device=device), send_counts, output_size=send_rows
-        )
+        cap = 0
     else:
         cap = capacity_rows(capacity, num_tokens)
         send_splits = recv_splits = None
         send_rows = recv_rows = world * cap
-        placed = plan.need & (plan.pos < cap)  # [T, W]
-        if health is not None:
-            health[EP_OVERFLOW_SLOTS] += (plan.hit & ~placed[:, None, :]).sum()
-        base = torch.arange(world, device=device) * cap
-        send_peer = torch.arange(send_rows, device=device) // cap
-
-    # Wire row of each (token, peer); rows not placed point at a trash row past the end.
-    row_of = torch.where(placed, base[None, :] + plan.pos, send_rows)  # [T, W] int64
-    token_of = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, world)
-    send_token = torch.full((send_rows + 1,), -1, dtype=torch.int64, device=device)
-    send_token.scatter_(0, row_of.reshape(-1), token_of.reshape(-1))  # the trash row may take many
-    send_token = send_token[:send_rows]
+    row_of, send_token, send_peer, overflow = _place(plan, None if mode == "dynamic" else cap, send_rows)
+    if health is not None and mode == "capacity":
+        health[EP_OVERFLOW_SLOTS] += overflow
 
     # 2. Exchange the packed rows.
     wire = _pack(x, routing.ids, routing.weights, plan.owner, send_token, send_peer)
     received = torch.empty(recv_rows, wire.shape[1], dtype=torch.uint8, device=device)
-    _all_to_all(received, wire, recv_splits, send_splits, group)
+    all_to_all(received, wire, recv_splits, send_splits)
 
     # 3. Local experts on the received rows, local ids bounds-checked.
     x_recv, global_ids, weights_recv = _unpack(received, hidden, top_k, x.dtype)
     local_ids, ok = layout.to_local(global_ids)
     if health is not None:
         health[DROPPED_SLOTS] += ((global_ids != -1) & ~ok).sum()  # strays: not ours, not empty
-    y = ops.experts(
-        x_recv, w13, w2, torch.where(ok, weights_recv, 0.0), local_ids, activation=activation,
-        num_valid=NumValid(count=x_recv.shape[0], tensor=None), backend=backend, health=None,
-        workspace=workspace, fp8=fp8,
-    )  # [recv rows, H], through the registered op
+    y = local_experts(x_recv, torch.where(ok, weights_recv, 0.0), local_ids)  # [recv rows, H]
 
     # 4. Send the partial outputs back; the extra zero row answers every row_of pointing at trash.
     row_bytes = y.shape[1] * y.element_size()
     back = torch.empty(send_rows + 1, row_bytes, dtype=torch.uint8, device=device)
     back[send_rows:].zero_()
-    _all_to_all(back[:send_rows], y.view(torch.uint8), send_splits, recv_splits, group)
+    all_to_all(back[:send_rows], y.view(torch.uint8), send_splits, recv_splits)
     partials = back.view(x.dtype)  # [send rows + 1, H]
 
     # 5. Combine in a fixed peer order, in fp32, rounded once.
@@ -357,6 +447,71 @@ def ep_experts(
     for peer in range(world):
         out.add_(partials.index_select(0, row_of[:, peer]))
     return out.to(x.dtype)
+
+
+def _exchange_triton(
+    x: torch.Tensor,
+    routing: Routing,
+    layout: EPLayout,
+    mode: str,
+    capacity: int | float | None,
+    nv: NumValid,
+    health: torch.Tensor | None,
+    all_to_all: AllToAll,
+    local_experts: LocalExperts,
+) -> torch.Tensor:
+    """The same exchange with plan/pack, unpack and combine as Triton launches
+    (`safemoe.kernels.ep_exchange`): count + pack, all-to-all, unpack, local experts, all-to-all,
+    combine. Same wire format, same rows in the same places, same sums in the same order."""
+    from safemoe.kernels import ep_exchange as kx
+
+    num_tokens, hidden = x.shape
+    world, top_k = layout.world_size, routing.ids.shape[1]
+    device = x.device
+    _, meta_offset, row_bytes = _wire_layout(hidden, top_k, x.dtype)
+    ids, weights = routing.ids, routing.weights
+
+    # 1. Plan: rows per (row block, peer).
+    block_counts = torch.empty(kx.row_blocks(num_tokens), kx.peer_pad(world), dtype=torch.int32,
+                               device=device)  # fmt: skip
+    kx.count_into(ids, nv, layout.num_experts, world, block_counts, health)
+    send_splits: list[int] | None
+    recv_splits: list[int] | None
+    if mode == "dynamic":
+        send_counts = block_counts[:, :world].sum(dim=0, dtype=torch.int64)  # [W]
+        recv_counts = torch.empty_like(send_counts)
+        all_to_all(recv_counts, send_counts, None, None)
+        counts = torch.cat([send_counts, recv_counts]).tolist()  # the dynamic mode's one host sync
+        send_splits, recv_splits = counts[:world], counts[world:]
+        send_rows, recv_rows = sum(send_splits), sum(recv_splits)
+        cap = None
+    else:
+        cap = capacity_rows(capacity, num_tokens)
+        send_splits = recv_splits = None
+        send_rows = recv_rows = world * cap
+
+    # 2. Pack and exchange. Buffers hold at least one row, so no kernel gets an empty tensor.
+    wire = torch.empty(max(send_rows, 1), row_bytes, dtype=torch.uint8, device=device)[:send_rows]
+    row_of = torch.empty(num_tokens, world, dtype=torch.int32, device=device)
+    kx.pack_into(x, ids, weights, nv, layout.num_experts, world, block_counts, wire, meta_offset, row_of,
+                 health, capacity=cap)  # fmt: skip
+    received = torch.empty(recv_rows, row_bytes, dtype=torch.uint8, device=device)
+    all_to_all(received, wire, recv_splits, send_splits)
+
+    # 3. Unpack (global -> local ids, bounds-checked) and run the local experts.
+    x_recv = torch.empty(recv_rows, hidden, dtype=x.dtype, device=device)
+    local_ids = torch.empty(recv_rows, top_k, dtype=torch.int32, device=device)
+    weights_recv = torch.empty(recv_rows, top_k, dtype=torch.float32, device=device)
+    kx.unpack_into(received, meta_offset, layout.first_expert, layout.experts_per_rank, x_recv, local_ids,
+                   weights_recv, health)  # fmt: skip
+    y = local_experts(x_recv, weights_recv, local_ids)  # [recv rows, H]
+
+    # 4. Return the partial outputs; 5. combine them in peer order (fp32, rounded once).
+    back = torch.empty(max(send_rows, 1), hidden, dtype=x.dtype, device=device)
+    all_to_all(back[:send_rows], y, send_splits, recv_splits)
+    out = torch.empty_like(x)
+    kx.combine_into(back, row_of, out)
+    return out
 
 
 class EPMoE(MoE):
@@ -370,6 +525,8 @@ class EPMoE(MoE):
 
     mode: "dynamic" (exact sizes, one host sync per call) or "capacity" (fixed `capacity` rows per
         peer, CUDA-graph capturable); see safemoe.distributed.ep.
+    exchange: "auto" (Triton plan/pack/unpack/combine on CUDA, torch ops elsewhere), "triton" or
+        "torch"; see `ep_experts`.
     group: the process group (None: default). Every other argument as in `safemoe.MoE`.
     forward(x [..., H], num_valid) -> [..., H]; rows at or past num_valid come out as exact zeros.
     """
@@ -386,16 +543,19 @@ class EPMoE(MoE):
         group: Any = None,
         mode: str = "dynamic",
         capacity: int | float | None = None,
+        exchange: str = "auto",
         **moe_options: Any,
     ) -> None:
         layout = EPLayout.of_group(num_experts, group)
         mode = check_mode(mode, capacity)
+        exchange = check_exchange(exchange)
         super().__init__(hidden_size, intermediate_size, num_experts, top_k,
                          local_experts=layout.experts_per_rank, **moe_options)
         self.layout = layout
         self.group = group
         self.mode = mode
         self.capacity = capacity
+        self.exchange = exchange
 
     @classmethod
     def from_moe(
@@ -408,6 +568,7 @@ class EPMoE(MoE):
         workspace: Workspace | None = None,
         health: Health | torch.Tensor | None = None,
         backend: str | None = None,
+        exchange: str = "auto",
     ) -> EPMoE:
         """This rank's share of a `safemoe.MoE` (the same router, shared expert and expert biases
         on every rank; the experts, fp8 or not, sliced to this rank's block)."""
@@ -422,6 +583,7 @@ class EPMoE(MoE):
             group=group,
             mode=mode,
             capacity=capacity,
+            exchange=exchange,
             activation=moe.activation,
             router_bias=gate.bias is not None,
             selection_bias=gate.selection_bias is not None,
@@ -492,11 +654,13 @@ class EPMoE(MoE):
             workspace=self._workspace,
             w13_scale=None if fp8 is None else fp8.w13_scale,
             w2_scale=None if fp8 is None else fp8.w2_scale,
+            exchange=self.exchange,
         )
 
     def extra_repr(self) -> str:
         lay = self.layout
         return (
             f"{super().extra_repr()}, rank={lay.rank}/{lay.world_size}, experts=[{lay.first_expert}, "
-            f"{lay.first_expert + lay.experts_per_rank}), mode={self.mode}, capacity={self.capacity}"
+            f"{lay.first_expert + lay.experts_per_rank}), mode={self.mode}, capacity={self.capacity}, "
+            f"exchange={self.exchange}"
         )
