@@ -301,7 +301,7 @@ def check_nan_router_rows(ctx: Ctx) -> None:
             assert_close(out[: ctx.n][clean], want[clean], dtype=ctx.dtype, what=f"{what}: clean rows")
             assert health[EP_OVERFLOW_SLOTS] == 0, health
         else:
-            kept, overflow = _expected_overflow(ids.cpu(), ctx.n, cap, ctx.experts // ctx.world, ctx.world,
+            kept, overflow = expected_overflow(ids.cpu(), ctx.n, cap, ctx.experts // ctx.world, ctx.world,
                                                 ctx.experts)  # fmt: skip
             with torch.no_grad():
                 capped = experts_reference(x_own, moe.w13, moe.w2, weights, kept.to(ctx.device))

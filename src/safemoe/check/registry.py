@@ -24,7 +24,9 @@ import torch
 OPS = ("route", "experts", "moe")
 
 # The fault-injection families, in the table's reading order: the data path, then the runtime.
-FAMILIES = ("routing", "padding", "dispatch", "boundaries", "buffers", "graphs", "e2e", "fp8", "ep", "invariance")
+FAMILIES = (
+    "routing", "padding", "dispatch", "boundaries", "buffers", "graphs", "e2e", "fp8", "ep", "invariance",
+)
 FAMILY_DOCS = {
     "routing": "routing contract on NaN/Inf/equal/tie-free rows, every E, scoring and grouping mode",
     "padding": "rows past num_valid poisoned (NaN, Inf, 1e4, stale ids): real rows untouched, pads zero",
