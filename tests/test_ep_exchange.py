@@ -15,6 +15,7 @@ import torch
 
 from helpers import STALE_ID, assert_equal, garbage_ids, poisoned
 from safemoe._checks import NumValid
+from safemoe.check.cases.ep import expected_overflow
 from safemoe.distributed.ep import (
     EPLayout,
     _exchange_torch,
@@ -259,6 +260,7 @@ def test_capacity_exchange_captures_in_a_cuda_graph() -> None:
     captured once in a CUDA graph and replayed with num_valid changed in place, including 0 and
     T: each replay equals the eager call bitwise, padded rows are zeros, health adds up."""
     world, num_experts, num_tokens, hidden = 8, 128, 300, 2048
+    CAPACITY = 32
     layout = EPLayout(world, 3, num_experts)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
@@ -276,7 +278,7 @@ def test_capacity_exchange_captures_in_a_cuda_graph() -> None:
         return torch.where((local_ids >= 0).any(dim=1, keepdim=True), x_recv, 0.0)
 
     def step():
-        return _exchange_triton(x, routing, layout, "capacity", 64, nv, health, loopback, stand_in)
+        return _exchange_triton(x, routing, layout, "capacity", CAPACITY, nv, health, loopback, stand_in)
 
     counts = [num_tokens, 1, 0, 211, num_tokens]
     eager, eager_health = [], []
@@ -301,4 +303,8 @@ def test_capacity_exchange_captures_in_a_cuda_graph() -> None:
         assert_equal(out, want, what=f"replay at num_valid {count}")
         assert_equal(out[count:], torch.zeros_like(out[count:]), what=f"padding at {count}")
         assert_equal(health, want_health, what=f"health at {count}")
-    assert int(eager_health[0][EP_OVERFLOW_SLOTS]) > 0  # C = 64 of 300 rows: overflow counted
+    # At C = 32 rows per peer these 300 rows overflow by 128 slots (the policy's plain-Python model;
+    # at C = 64, as first written, nothing overflowed: the H100 run of 2026-11-24 caught it).
+    per_rank = num_experts // world
+    _, want_overflow = expected_overflow(ids.cpu(), num_tokens, CAPACITY, per_rank, world, num_experts)
+    assert int(eager_health[0][EP_OVERFLOW_SLOTS]) == want_overflow > 0

@@ -144,7 +144,10 @@ def _pack_kernel(
                            mask=(blocks < num_blocks)[:, None], other=0)  # fmt: skip
     totals = tl.sum(block_counts, axis=0)  # [W_PAD] rows per peer
     if DYNAMIC:
-        base = tl.cumsum(totals, axis=0) - totals
+        # Exclusive prefix sums as masked sums, not tl.cumsum: Triton 3.6 fails to lower a scan
+        # over these narrow [W_PAD] / [BLOCK_T, W_PAD] tiles with 8 warps (ScanOpToLLVM assertion,
+        # H100, 2026-11-24).
+        base = tl.sum(tl.where(peers[None, :] < peers[:, None], totals[None, :], 0), axis=1)
     else:
         base = peers * capacity
     if pid < num_blocks:
@@ -154,7 +157,9 @@ def _pack_kernel(
                                                   experts_per_rank, TOP_K, K_PAD, W_PAD)
         need = (hits > 0).to(tl.int32)
         before = tl.sum(tl.where(blocks[:, None] < pid, block_counts, 0), axis=0)  # [W_PAD]
-        pos = before[None, :] + tl.cumsum(need, axis=0) - need  # [BT, W_PAD] exclusive rank
+        local = tl.arange(0, BLOCK_T)
+        earlier = local[None, :, None] < local[:, None, None]  # [BT, BT, 1]: row j before row i
+        pos = before[None, :] + tl.sum(tl.where(earlier, need[None, :, :], 0), axis=1)  # exclusive rank
         placed = (need > 0) & (peers < WORLD)[None, :]
         if not DYNAMIC:
             placed = placed & (pos < capacity)
