@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +31,7 @@ from safemoe.bench.harness import (
     DeviceCeilings,
     add_speedups,
     moe_floor_us,
+    plot_pct_of_floor,
     progress,
     time_auto,
     time_eager,
@@ -37,13 +40,20 @@ from safemoe.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, 
 
 SUITE = "layer"
 
-# (E, K, H, I)
+# (E, K, H, I). gpt-oss-120b runs with silu here (its swigluoai moves the same bytes and FLOPs).
 SHAPES: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
+    "deepseek-v3": (256, 8, 7168, 2048),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
 }
-TOKENS = (1, 8, 64, 256, 2048)
+QUICK_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
+TOKENS = (1, 8, 64, 256, 2048, 8192)
 QUICK_TOKENS = (1, 64, 2048)
+# The eager peers (reference spec, HF's per-expert loop) take seconds a call past this: not timed.
+EAGER_MAX_TOKENS = 2048
+# The padding target: a batch of PADDED_TOKENS rows with one valid row against T = 1 (issue 13).
+PADDED_TOKENS = 1024
 # Input sets rotated through: x and logits differ per call, so each call routes to other experts.
 # The expert weights (1.2 GB and 2.8 GB) dwarf any L2 already.
 N_VARIANTS = 4
@@ -115,6 +125,9 @@ def _case_rows(
         if impl == "safemoe-triton" and triton_missing:
             row.note = triton_missing
             continue
+        if not capturable and num_tokens > EAGER_MAX_TOKENS:
+            row.note = f"not timed past T = {EAGER_MAX_TOKENS} (eager, seconds a call)"
+            continue
         try:
             if expected is not None and impl != "safemoe-reference":
                 row.extra["rel_err_vs_reference"] = round(_rel_err(step(0), expected), 5)
@@ -131,12 +144,43 @@ def _case_rows(
     return rows
 
 
+def _padded_row(case: str, shape: tuple[int, int, int, int], w13: torch.Tensor, w2: torch.Tensor,
+                ceilings: DeviceCeilings, quick: bool) -> BenchRow:
+    """safemoe-triton on PADDED_TOKENS rows of which one is valid (a device count, as a captured
+    graph sees it); its floor is T = 1's: the padding target compares it with the clean T = 1 row."""
+    num_experts, top_k, hidden, inter = shape
+    device = w13.device
+    floor, bound = moe_floor_us(num_experts, top_k, hidden, inter, 1, ceilings)
+    row = BenchRow(SUITE, case, PADDED_TOKENS, "padded-1", "safemoe-triton", None, floor,
+                   extra={"bound": bound, "num_valid": 1})  # fmt: skip
+    missing = _triton_built()
+    if missing:
+        row.note = missing
+        return row
+    xs = [torch.randn(PADDED_TOKENS, hidden, dtype=torch.bfloat16, device=device) for _ in range(N_VARIANTS)]
+    logits = [torch.randn(PADDED_TOKENS, num_experts, dtype=torch.bfloat16, device=device)
+              for _ in range(N_VARIANTS)]  # fmt: skip
+    one = torch.ones((), dtype=torch.int32, device=device)
+
+    def step(j: int) -> torch.Tensor:
+        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, num_valid=one, backend="triton")
+
+    graph_kwargs = {"calls_per_graph": 10, "replays": 15} if quick else {"calls_per_graph": 20, "replays": 30}
+    try:
+        row.median_us, row.note = time_auto(step, n_variants=N_VARIANTS, **graph_kwargs)
+    except Exception as exc:  # keep the other rows: record what went wrong
+        row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    return row
+
+
 def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
     device = torch.device("cuda", torch.cuda.current_device())
     tokens = QUICK_TOKENS if quick else TOKENS
     rows: list[BenchRow] = []
     generator = torch.Generator(device=device).manual_seed(0)
     for case, shape in SHAPES.items():
+        if quick and case not in QUICK_SHAPES:
+            continue
         num_experts, _, hidden, inter = shape
         # Weights scaled so activations stay O(1): the bf16 math is then representative.
         w13 = (
@@ -151,7 +195,82 @@ def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
         )
         for num_tokens in progress(tokens, f"layer suite: {case}"):
             rows.extend(_case_rows(case, shape, num_tokens, w13, w2, ceilings, quick))
+        rows.append(_padded_row(case, shape, w13, w2, ceilings, quick))
         del w13, w2
         torch.cuda.empty_cache()
     add_speedups(rows, "hf-eager")
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 13's targets, checked on the safemoe-triton rows (percentages of the floor measured in the
+# same run, so they do not depend on the machine)
+# ----------------------------------------------------------------------------------------------
+
+DECODE_T1_SHAPES = ("qwen3-30b-a3b", "gpt-oss-120b")
+PREFILL_PEAK_PCT = {"mixtral-8x7b": 80.0}  # every other shape: PREFILL_DEFAULT_PCT
+PREFILL_DEFAULT_PCT = 70.0
+PREFILL_TOKENS = 8192
+PADDING_RATIO = 1.1
+
+
+def _decode_limit(case: str, tokens: int) -> tuple[str, float] | None:
+    """(where, % of the read floor) of the decode target at (case, T), if there is one."""
+    if tokens == 1 and case in DECODE_T1_SHAPES:
+        return "T = 1", 80.0
+    if 8 <= tokens <= 64:
+        return "T = 8..64", 95.0
+    if tokens == 256:
+        return "T = 256", 92.0
+    return None
+
+
+def targets_table(rows: list[BenchRow]) -> list[dict[str, Any]]:
+    """Every issue-13 target this suite measures: (target, case, T, limit, measured, met)."""
+    ours = {(r.case, r.tokens, r.variant): r for r in rows
+            if r.impl == "safemoe-triton" and r.median_us is not None}  # fmt: skip
+    out: list[dict[str, Any]] = []
+
+    def add(target: str, case: str, tokens: int | str, limit: str, measured: str, met: bool) -> None:
+        out.append({"target": target, "case": case, "T": tokens, "limit": limit, "measured": measured,
+                    "met": met})  # fmt: skip
+
+    for (case, tokens, variant), r in sorted(ours.items()):
+        if variant != "clean" or r.pct_of_floor is None:
+            continue
+        pct = r.pct_of_floor
+        decode = _decode_limit(case, tokens)
+        if decode is not None:
+            where, limit = decode
+            add(f"decode: >= {limit:.0f}% of the read floor at {where}", case, tokens, f"{limit:.0f}%",
+                f"{pct:.1f}%", pct >= limit)  # fmt: skip
+        if tokens == PREFILL_TOKENS:
+            limit = PREFILL_PEAK_PCT.get(case, PREFILL_DEFAULT_PCT)
+            add(f"prefill: >= {limit:.0f}% of the bf16 peak at T = {PREFILL_TOKENS}", case, tokens,
+                f"{limit:.0f}%", f"{pct:.1f}%", pct >= limit)  # fmt: skip
+            mid = ours.get((case, 2048, "clean"))
+            if mid is not None and mid.median_us is not None and r.median_us is not None:
+                per_mid, per_big = mid.median_us / 2048, r.median_us / PREFILL_TOKENS
+                add(f"prefill: T = 2048 no slower per token than T = {PREFILL_TOKENS}", case, "2048 vs 8192",
+                    f"{per_big:.3f} us/token", f"{per_mid:.3f} us/token", per_mid <= per_big)  # fmt: skip
+    for (case, tokens, variant), r in sorted(ours.items()):
+        base = ours.get((case, 1, "clean"))
+        if variant == "padded-1" and base is not None and base.median_us and r.median_us is not None:
+            ratio = r.median_us / base.median_us
+            add(f"padding: T = {tokens} with 1 valid row <= {PADDING_RATIO}x T = 1", case, tokens,
+                f"{PADDING_RATIO}x", f"{ratio:.2f}x ({r.median_us:.1f} / {base.median_us:.1f} us)",
+                ratio <= PADDING_RATIO)  # fmt: skip
+    return out
+
+
+def plot(rows: list[BenchRow], out_dir: Path) -> None:
+    """`layer_targets.md` (every issue-13 target: measured, met or not) and the %-of-floor plot."""
+    out_dir = Path(out_dir)
+    table = targets_table(rows)
+    lines = ["| target | case | T | limit | measured | met |", "|---|---|---|---|---|---|"]
+    lines += [f"| {t['target']} | {t['case']} | {t['T']} | {t['limit']} | {t['measured']} | "
+              f"{'yes' if t['met'] else 'NO'} |" for t in table]  # fmt: skip
+    (out_dir / f"{SUITE}_targets.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot_pct_of_floor([r for r in rows if r.variant == "clean"], out_dir / f"{SUITE}.png",
+                      title="layer (route + experts): % of floor, bf16")  # fmt: skip

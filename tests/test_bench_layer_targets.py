@@ -1,0 +1,53 @@
+"""The layer suite's issue-13 verdicts, on made-up rows (the suite itself needs a GPU)."""
+
+from __future__ import annotations
+
+from safemoe.bench import layer
+from safemoe.bench.harness import BenchRow
+
+
+def row(case: str, tokens: int, us: float, floor: float, variant: str = "clean",
+        impl: str = "safemoe-triton") -> BenchRow:  # fmt: skip
+    return BenchRow(layer.SUITE, case, tokens, variant, impl, us, floor)
+
+
+def verdicts(rows: list[BenchRow]) -> dict[tuple[str, str, object], bool]:
+    return {(t["target"].split(":")[0], t["case"], t["T"]): t["met"] for t in layer.targets_table(rows)}
+
+
+def test_each_target_met_and_missed():
+    rows = [
+        row("qwen3-30b-a3b", 1, 30.0, 25.0),  # 83%: decode T=1 met
+        row("gpt-oss-120b", 1, 100.0, 72.0),  # 72%: missed
+        row("mixtral-8x7b", 1, 100.0, 10.0),  # no T=1 target for Mixtral
+        row("qwen3-30b-a3b", 8, 100.0, 96.0),  # 96% >= 95
+        row("qwen3-30b-a3b", 64, 100.0, 94.0),  # 94% < 95
+        row("qwen3-30b-a3b", 256, 100.0, 92.5),  # >= 92
+        row("mixtral-8x7b", 8192, 100.0, 79.0),  # Mixtral needs 80% of peak
+        row("deepseek-v3", 8192, 100.0, 71.0),  # others 70%
+        row("deepseek-v3", 2048, 30.0, 20.0),  # 0.0146 us/token < 0.0122? no: slower per token
+        row("qwen3-30b-a3b", layer.PADDED_TOKENS, 32.0, 25.0, variant="padded-1"),  # 1.07x of T=1
+        row("gpt-oss-120b", layer.PADDED_TOKENS, 120.0, 72.0, variant="padded-1"),  # 1.2x
+        row("qwen3-30b-a3b", 8, 1.0, 96.0, impl="torch-grouped_mm"),  # peers are not judged
+    ]
+    got = verdicts(rows)
+    assert got[("decode", "qwen3-30b-a3b", 1)] is True
+    assert got[("decode", "gpt-oss-120b", 1)] is False
+    assert not any(case == "mixtral-8x7b" and t == 1 for _, case, t in got)
+    assert got[("decode", "qwen3-30b-a3b", 8)] is True
+    assert got[("decode", "qwen3-30b-a3b", 64)] is False
+    assert got[("decode", "qwen3-30b-a3b", 256)] is True
+    assert got[("prefill", "mixtral-8x7b", 8192)] is False
+    assert got[("prefill", "deepseek-v3", 8192)] is True
+    assert got[("prefill", "deepseek-v3", "2048 vs 8192")] is False
+    assert got[("padding", "qwen3-30b-a3b", layer.PADDED_TOKENS)] is True
+    assert got[("padding", "gpt-oss-120b", layer.PADDED_TOKENS)] is False
+    assert len(got) == 10
+
+
+def test_missing_measurements_give_no_verdict(tmp_path):
+    rows = [row("qwen3-30b-a3b", 1, None, 25.0), row("qwen3-30b-a3b", layer.PADDED_TOKENS, 40.0, 25.0,  # type: ignore[arg-type]
+                                                     variant="padded-1")]  # fmt: skip
+    assert layer.targets_table(rows) == []
+    layer.plot(rows, tmp_path)
+    assert (tmp_path / "layer_targets.md").read_text().count("\n") == 2  # the header only
