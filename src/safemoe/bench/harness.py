@@ -584,6 +584,16 @@ def print_table(rows: list[BenchRow], title: str) -> None:
     Console(width=200).print(table)
 
 
+def write_targets(table: list[dict[str, Any]], path: Path) -> None:
+    """A suite's targets (dicts with target, case, T, limit, measured, met) as a markdown table at
+    `path`, printed too."""
+    lines = ["| target | case | T | limit | measured | met |", "|---|---|---|---|---|---|"]
+    lines += [f"| {t['target']} | {t['case']} | {t['T']} | {t['limit']} | {t['measured']} | "
+              f"{'yes' if t['met'] else 'NO'} |" for t in table]  # fmt: skip
+    Path(path).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def plot_pct_of_floor(rows: list[BenchRow], path: Path, title: str) -> Path | None:
     """PNG of % of floor against T (log x) with one line per (case, impl[, variant]).
 

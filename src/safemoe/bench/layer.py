@@ -35,6 +35,7 @@ from safemoe.bench.harness import (
     progress,
     time_auto,
     time_eager,
+    write_targets,
 )
 from safemoe.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, torch_route
 
@@ -266,11 +267,6 @@ def targets_table(rows: list[BenchRow]) -> list[dict[str, Any]]:
 def plot(rows: list[BenchRow], out_dir: Path) -> None:
     """`layer_targets.md` (every issue-13 target: measured, met or not) and the %-of-floor plot."""
     out_dir = Path(out_dir)
-    table = targets_table(rows)
-    lines = ["| target | case | T | limit | measured | met |", "|---|---|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['case']} | {t['T']} | {t['limit']} | {t['measured']} | "
-              f"{'yes' if t['met'] else 'NO'} |" for t in table]  # fmt: skip
-    (out_dir / f"{SUITE}_targets.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_targets(targets_table(rows), out_dir / f"{SUITE}_targets.md")
     plot_pct_of_floor([r for r in rows if r.variant == "clean"], out_dir / f"{SUITE}.png",
                       title="layer (route + experts): % of floor, bf16")  # fmt: skip

@@ -46,6 +46,7 @@ from safemoe.bench.harness import (
     rotation_count,
     time_auto,
     time_graph,
+    write_targets,
 )
 from safemoe.route_config import RouteConfig
 
@@ -368,12 +369,7 @@ def targets_table(rows: list[BenchRow]) -> list[dict[str, Any]]:
 
 def plot(rows: list[BenchRow], out_dir: Path) -> None:
     out_dir = Path(out_dir)
-    table = targets_table(rows)
-    lines = ["| target | case | T | limit | measured | met |", "|---|---|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['case']} | {t['T']} | {t['limit']} | {t['measured']} | "
-              f"{'yes' if t['met'] else 'NO'} |" for t in table]
-    (out_dir / f"{SUITE}_targets.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_targets(targets_table(rows), out_dir / f"{SUITE}_targets.md")
     plot_pct_of_floor([r for r in rows if r.variant == "clean"], out_dir / f"{SUITE}.png",
                       title="router: % of copy-bandwidth floor (clean bf16)")
 
