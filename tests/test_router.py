@@ -17,7 +17,6 @@ off; tests/memcheck.py runs it with the other small CUDA cases):
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -549,26 +548,3 @@ if __name__ == "__main__":
         print("router memcheck cases: need a CUDA GPU; nothing run")
         sys.exit(0)
     sys.exit(1 if memcheck_cases() else 0)
-
-
-def test_router_launch_table_is_data_per_device(tmp_path, monkeypatch):
-    """The tuned launch table lives in src/safemoe/configs (the H200's file, where it was measured);
-    a device with a "router" section of its own uses that, any other device the H200's."""
-    from safemoe import configs
-
-    h200 = configs.router_table("NVIDIA H200")
-    assert h200[(256, 8, False)][1] == (1024, 2, 2)  # up to T = 1024: 2 rows a program, 2 warps
-    assert configs.router_table(None) == h200 == configs.router_table("A GPU with no file")
-    assert router._pick_config(1024, 256, 8, 2, False, "A GPU with no file") == router.RouterConfig(2, 2)
-    own = {"router": {"tables": [{"e_pad": 256, "top_k": 8, "grouped": False, "entries": [[16384, 16, 8]]}]}}
-    (tmp_path / "My_GPU.json").write_text(json.dumps(own))
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    configs._device_json.cache_clear()
-    configs.router_table.cache_clear()
-    try:
-        assert router._pick_config(1024, 256, 8, 2, False, "My GPU") == router.RouterConfig(16, 8)
-        fp32 = router._pick_config(1024, 256, 8, 4, False, "My GPU")  # the table is for bf16 logits
-        assert fp32 == router.RouterConfig(8, 4)  # the heuristic's
-    finally:
-        configs._device_json.cache_clear()
-        configs.router_table.cache_clear()

@@ -133,26 +133,6 @@ def load_device_configs(device_name: str) -> dict[str, dict[int, ExpertsConfig]]
     return table
 
 
-# The router's launch table was tuned on this device; a device whose file has no "router" section
-# of its own uses it (the router is a few-µs kernel whose best launch barely moves between Hoppers).
-ROUTER_TABLE_DEVICE = "NVIDIA H200"
-RouterTable = dict[tuple[int, int, bool], list[tuple[int, int, int]]]
-
-
-@functools.lru_cache(maxsize=16)
-def router_table(device_name: str | None) -> RouterTable:
-    """{(E_PAD, K, grouped): [(up to T tokens, block_t, num_warps), ...]} for bf16 logits, from the
-    device's file (`"router"` section), else from ROUTER_TABLE_DEVICE's; None: the latter."""
-    raw = _device_json(device_name).get("router") if device_name else None
-    if raw is None:
-        raw = _device_json(ROUTER_TABLE_DEVICE).get("router", {})
-    table: RouterTable = {}
-    for t in raw.get("tables", []):
-        key = (int(t["e_pad"]), int(t["top_k"]), bool(t["grouped"]))
-        table[key] = [(int(up_to), int(block_t), int(warps)) for up_to, block_t, warps in t["entries"]]
-    return table
-
-
 def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                      dtype: torch.dtype) -> ExpertsConfig:
     """Tiles from the expected rows per expert under uniform routing.

@@ -41,7 +41,6 @@ the launch config is `batch_invariant_router_config`, one for every T of a shape
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,6 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.configs import router_table
 from safemoe.health import HEALTH_SLOTS, NONFINITE_ROWS, PADDED_ROWS
 from safemoe.numerics import FLT_MAX as _FLT_MAX
 from safemoe.route_config import RouteConfig
@@ -316,20 +314,31 @@ class RouterConfig:
     num_warps: int
 
 
-@functools.lru_cache(maxsize=8)
-def _cuda_device_name(index: int | None) -> str:
-    return torch.cuda.get_device_name(index)
+# Tuned on an H200 by `python -m safemoe.bench.router` (each safemoe row's extra.config in
+# bench/results/router_NVIDIA-H200_2026-11-21.csv): per (E_PAD, K, grouped) for bf16 logits, the
+# fastest (block_t, num_warps) up to each T; larger T reuse the last entry. Neighbouring configs
+# are within a few percent of each other, so the jumps between entries are mostly noise. Other
+# shapes and dtypes take the heuristic below.
+_TUNED: dict[tuple[int, int, bool], list[tuple[int, int, int]]] = {
+    (128, 8, False): [(1, 1, 1), (8, 8, 8), (64, 4, 2), (128, 2, 1), (1024, 4, 2), (4096, 16, 8),
+                      (8192, 32, 8), (16384, 4, 1)],
+    (256, 8, True): [(1, 1, 1), (8, 2, 2), (128, 4, 4), (1024, 2, 2), (16384, 2, 1)],
+    (8, 2, False): [(1, 1, 8), (8, 8, 1), (64, 64, 2), (1024, 128, 4), (4096, 64, 2), (8192, 128, 4),
+                    (16384, 64, 2)],
+    (128, 4, False): [(1, 1, 1), (8, 8, 8), (64, 2, 1), (128, 8, 4), (1024, 4, 2), (4096, 16, 8),
+                      (8192, 4, 1), (16384, 8, 2)],
+    (256, 8, False): [(1, 1, 1), (1024, 2, 2), (8192, 1, 1), (16384, 4, 1)],
+}
 
 
 def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
-                 grouped: bool = False, device_name: str | None = None) -> RouterConfig:
+                 grouped: bool = False) -> RouterConfig:
     """Config for a shape: the tuned table where it has the shape, else a heuristic. A row spans at
     most one warp, so its reductions stay inside the warp (no shared memory, no barriers); at 16
     bytes per thread a row takes E_PAD * elem_size / 16 lanes."""
     e_pad = triton.next_power_of_2(num_experts)
     cap = triton.next_power_of_2(max(num_tokens, 1))
-    # Tuned per (E_PAD, K, grouped) for bf16 logits: data in src/safemoe/configs (`router_table`).
-    tuned = router_table(device_name).get((e_pad, top_k, grouped)) if elem_size == 2 else None
+    tuned = _TUNED.get((e_pad, top_k, grouped)) if elem_size == 2 else None
     if tuned is not None:
         block_t, num_warps = next(((b, w) for t, b, w in tuned if num_tokens <= t), tuned[-1][1:])
         return RouterConfig(block_t=min(block_t, cap), num_warps=num_warps)
@@ -341,12 +350,12 @@ def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
 
 
 def batch_invariant_router_config(num_experts: int, top_k: int, elem_size: int,
-                                  grouped: bool = False, device_name: str | None = None) -> RouterConfig:
+                                  grouped: bool = False) -> RouterConfig:
     """The launch config batch-invariant mode uses for every T: the pick for
     BATCH_INVARIANT_TOKENS tokens (its block_t is never capped by a smaller T)."""
     from safemoe.configs import BATCH_INVARIANT_TOKENS
 
-    return _pick_config(BATCH_INVARIANT_TOKENS, num_experts, top_k, elem_size, grouped, device_name)
+    return _pick_config(BATCH_INVARIANT_TOKENS, num_experts, top_k, elem_size, grouped)
 
 
 def candidate_configs(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
@@ -408,12 +417,10 @@ def launch_router(
         raise ValueError(f"logits has T={num_tokens} rows; the router supports T < 2^31 - 2^20")
     top_k = args.top_k
     grouped = args.n_group is not None and args.n_group > 1
-    device_name = _cuda_device_name(logits.device.index) if logits.is_cuda else None
-    elem_size = logits.element_size()
     if config is None and batch_invariant:
-        config = batch_invariant_router_config(num_experts, top_k, elem_size, grouped, device_name)
+        config = batch_invariant_router_config(num_experts, top_k, logits.element_size(), grouped)
     elif config is None:
-        config = _pick_config(num_tokens, num_experts, top_k, elem_size, grouped, device_name)
+        config = _pick_config(num_tokens, num_experts, top_k, logits.element_size(), grouped)
     n_group = args.n_group if grouped else 1
     topk_group = args.topk_group if grouped else 1
     assert n_group is not None and topk_group is not None
