@@ -94,24 +94,36 @@ def check_backend(backend: object) -> str:
     return str(backend)
 
 
+def resolve_auto(choice: str, device: torch.device, elsewhere: str) -> str:
+    """'auto' is "triton" on CUDA and `elsewhere` on other devices (the interpreter is slow);
+    any other choice stands. Backends and EP exchanges both resolve this way."""
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else elsewhere
+    return choice
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """'auto' is the Triton kernels on CUDA and the reference elsewhere."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    return backend
+    return resolve_auto(backend, device, "reference")
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A keyword that must be a bool (not 0/1, not None)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def check_batch_invariant(batch_invariant: object, backend: str, what: str) -> bool:
     """batch_invariant must be a bool; True needs the Triton kernels (`backend` resolved): the
     reference's torch matmuls and reductions pick their algorithm by shape."""
-    if not isinstance(batch_invariant, bool):
-        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-    if batch_invariant and backend != "triton":
+    flag = check_flag("batch_invariant", batch_invariant)
+    if flag and backend != "triton":
         raise ValueError(
             f"{what}: batch_invariant=True is a guarantee of the Triton kernels, got backend={backend!r} "
             "(pass backend='triton'; on CPU that runs under TRITON_INTERPRET=1)"
         )
-    return batch_invariant
+    return flag
 
 
 def check_route_args(

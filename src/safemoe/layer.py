@@ -110,9 +110,7 @@ class Gate(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = _checks.check_flag("batch_invariant", batch_invariant)
         if not isinstance(config, RouteConfig):
             raise TypeError(f"config must be a safemoe.RouteConfig, got {type(config).__name__}")
         self.config = config.check(num_experts)
@@ -311,9 +309,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         config = RouteConfig.of(top_k, route_options)
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-        if batch_invariant and not self._supports_batch_invariant:
+        if _checks.check_flag("batch_invariant", batch_invariant) and not self._supports_batch_invariant:
             raise ValueError(f"batch_invariant=True is not supported by {type(self).__name__}")
         self.batch_invariant = batch_invariant
         if activation not in _checks.ACTIVATIONS:

@@ -269,9 +269,7 @@ def check_exchange(exchange: object) -> str:
 
 def resolve_exchange(exchange: str, device: torch.device) -> str:
     """'auto' is the Triton exchange on CUDA and the torch one elsewhere (the interpreter is slow)."""
-    if exchange == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return exchange
+    return _checks.resolve_auto(exchange, device, "torch")
 
 
 def _all_to_all(
