@@ -22,7 +22,11 @@ tests/test_distributed.py). Ranks make every collective of a case before any ass
 rank's failure cannot leave the others waiting. With --quick on CPU the triton backend's cases
 are n/a (the reference runs the same exchange; interpreted kernels in two spawned ranks cost
 ~15 s a case); the CPU scale runs them. `--plugin` files are imported in every rank too
-(a plugin may patch what the ranks run). On CUDA with fewer GPUs than ranks: n/a, with the count.
+(a plugin may patch what the ranks run). On CUDA with fewer GPUs than ranks, the ranks share the
+GPUs (rank r on cuda:r mod the count) and exchange through gloo, whose collectives take CUDA
+tensors (staged through host memory) where NCCL refuses two ranks on one GPU: the CUDA kernels,
+the Triton exchange and the all-to-all sizes are the same code; only the transport differs
+(a failure's message says so when they share GPUs).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class RankSpec:
     params: dict[str, Any]
     seed: int  # the case's seed: every rank draws the same global inputs from it
     backend: str  # backend= of the layers (safemoe's reference or triton)
-    device: str  # "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r)
+    device: str  # "cpu" (gloo) or "cuda" (NCCL, or gloo when ranks share GPUs: rank r on cuda:r mod GPUs)
     scale: int
     plugins: tuple[str, ...] = field(default_factory=tuple)
 
@@ -87,6 +91,19 @@ def _world_params(plan: Plan) -> list[dict[str, Any]]:
     return [{"world": w} for w in _worlds(plan)]
 
 
+def collective_backend(world: int, gpus: int) -> str:
+    """The process-group backend of a CUDA case: NCCL with one GPU per rank, else gloo (NCCL
+    refuses two ranks on one GPU; gloo stages CUDA tensors through the host)."""
+    if gpus < 1:
+        raise NotApplicable("no CUDA device visible to run the ranks on")
+    return "nccl" if gpus >= world else "gloo"
+
+
+def rank_device(spec_device: str, rank: int, gpus: int) -> torch.device:
+    """Rank r's device: cuda:r, or cuda:(r mod gpus) when ranks share GPUs; cpu for gloo on CPU."""
+    return torch.device("cuda", rank % gpus) if spec_device == "cuda" else torch.device("cpu")
+
+
 def _run_group(ctx: CaseContext, check: str, params: dict[str, Any]) -> None:
     """Spawn the case's process group and raise CheckFailure with every rank's failures."""
     from safemoe.check.worker import LOADED_PLUGINS
@@ -103,13 +120,13 @@ def _run_group(ctx: CaseContext, check: str, params: dict[str, Any]) -> None:
     world = params["world"]
     spec = RankSpec(check, dict(params), case_seed(ctx.seed, f"{ctx.case_name}#{ctx.index}"), backend,
                     ctx.device.type, ctx.scale, tuple(LOADED_PLUGINS))  # fmt: skip
+    shared = ""  # names the transport in a failure where ranks share GPUs
     if ctx.cuda:
-        found = torch.cuda.device_count()
-        if found < world:
-            raise NotApplicable(f"NCCL with {world} ranks needs {world} GPUs (one per rank), found {found}")
+        transport = collective_backend(world, torch.cuda.device_count())
+        shared = "[gloo, ranks sharing GPUs] " if transport == "gloo" else ""
         for name, value in NO_MULTICAST.items():
             os.environ.setdefault(name, value)
-        results = spawn(_rank_main, world, spec, backend="nccl", timeout_s=COLLECTIVE_TIMEOUT_S["cuda"],
+        results = spawn(_rank_main, world, spec, backend=transport, timeout_s=COLLECTIVE_TIMEOUT_S["cuda"],
                         join_timeout_s=JOIN_TIMEOUT_S["cuda"], env=NO_MULTICAST)  # fmt: skip
     else:
         results = spawn(_rank_main, world, spec, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S["cpu"],
@@ -117,7 +134,7 @@ def _run_group(ctx: CaseContext, check: str, params: dict[str, Any]) -> None:
     failures = [f"rank {rank}: {message}" for rank, messages in enumerate(results) for message in messages]
     if failures:
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        raise CheckFailure(failures[0] + more)
+        raise CheckFailure(f"{shared}{failures[0]}{more}")
 
 
 @case("ep.ragged", ops=("moe",), params=_ragged_params)
@@ -148,7 +165,10 @@ class _Rank:
 
     def __init__(self, rank: int, world: int, spec: RankSpec, counts: tuple[int, ...]) -> None:
         self.rank, self.world, self.spec, self.counts = rank, world, spec, counts
-        self.device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
+        gpus = torch.cuda.device_count() if spec.device == "cuda" else 0
+        self.device = rank_device(spec.device, rank, gpus)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = spec.dtype
         self.hidden, self.inter, self.experts, self.top_k = spec.shapes
         self.gen = torch.Generator().manual_seed(spec.seed + 7919 * sum(counts))
