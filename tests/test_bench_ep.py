@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import interpreter_only
 from safemoe.bench import ep as ep_bench
 from safemoe.bench.harness import BenchRow, DeviceCeilings
 
@@ -54,6 +55,7 @@ def test_main_rejects_unknown_shapes() -> None:
         ep_bench.main(["--shapes", "gpt-5"])
 
 
+@interpreter_only("the exchange kernels on CPU tensors")
 def test_exchange_only_rows_on_cpu(monkeypatch) -> None:
     """The one-GPU exchange bench's rows, run on CPU (the interpreter) with the timer stubbed: both
     exchanges give the same output bits at W = 2, 4, 8 (what `same_output` reports on the GPU)."""

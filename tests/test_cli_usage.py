@@ -50,7 +50,7 @@ def files(tmp_path: Path) -> dict[str, str]:
 
 # (argv with {placeholders} from `files`, the flag the message must name, more text it must hold)
 CHECK = [
-    (["--only", "routing.nan_rows", "--case", "99"], "--case", "routing.nan_rows has"),
+    (["--only", "routing.nan_rows", "--case", "99", "--scale", "cpu"], "--case", "routing.nan_rows has"),
     (["--only", "routing.nan_rows", "--case", "-1"], "--case", ">= 0"),
     (["--case", "two"], "--case", ""),
     (["--only", "routing", "--case", "9999"], "--case", "out of range"),
@@ -240,7 +240,7 @@ def test_run_functions_report_usage_errors_themselves(capsys) -> None:
 
 # The issue's own examples, end to end: a new interpreter, as a user runs them.
 SUBPROCESS = [
-    (["check", "--only", "routing.nan_rows", "--case", "99"], "--case"),
+    (["check", "--only", "routing.nan_rows", "--case", "99", "--scale", "cpu"], "--case"),
     (["check", "--only", "routing.health,nonexistent"], "--only"),
     (["check", "--json", "{under_file}"], "--json"),
     (["check", "--max-time", "-5"], "--max-time"),

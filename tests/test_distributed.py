@@ -29,7 +29,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import STALE_ID, assert_close, assert_equal, device_param, garbage_ids
+from helpers import (
+    INTERPRETER,
+    STALE_ID,
+    assert_close,
+    assert_equal,
+    device_param,
+    garbage_ids,
+    interpreter_only,
+)
 from safemoe._checks import NumValid
 from safemoe.check.cases.ep import expected_overflow  # the capacity policy in plain Python, shared
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
@@ -509,7 +517,9 @@ def _group_params() -> list:
                     for name in checks:
                         key = _key(setup.exchange, name, counts)
                         if device == "cpu":
-                            params.append(pytest.param(device, world, key))
+                            # the Triton exchange on CPU tensors runs under the interpreter only
+                            marks = [interpreter_only("CPU ranks")] if setup.exchange == "triton" else []
+                            params.append(pytest.param(device, world, key, marks=marks))
                         else:
                             params.append(device_param(device, world, key, marks=[two_gpus]))
     return params
@@ -610,7 +620,7 @@ def test_world_of_one_is_the_plain_layer_and_checks_arguments() -> None:
     x = torch.cat([ctx.x_own, torch.full((3, H), float("nan"))])
     want = moe(ctx.x_own)
     for mode in ("dynamic", "capacity"):
-        for exchange in EXCHANGES:
+        for exchange in EXCHANGES if INTERPRETER else tuple(e for e in EXCHANGES if e != "triton"):
             ep = EPMoE.from_moe(moe, mode=mode, exchange=exchange)
             out = ep(x, num_valid=torch.tensor(5))
             assert_close(out[:5], want, what=f"{mode} {exchange}")
@@ -619,6 +629,9 @@ def test_world_of_one_is_the_plain_layer_and_checks_arguments() -> None:
             assert "rank=0/1" in repr(ep) and f"exchange={exchange}" in repr(ep)
     with pytest.raises(ValueError, match="exchange"):
         EPMoE.from_moe(moe, exchange="nccl")
+    if not INTERPRETER:  # a CUDA machine: CPU tensors cannot run compiled Triton, said before any launch
+        with pytest.raises(RuntimeError, match=r"exchange='triton'.*TRITON_INTERPRET"):
+            EPMoE.from_moe(moe, exchange="triton")(x, num_valid=5)
     ep = EPMoE.from_moe(moe)
     routing = Routing(weights=torch.ones(8, K), ids=torch.zeros(8, K, dtype=torch.int32))
     with pytest.raises(ValueError, match="per rank"):

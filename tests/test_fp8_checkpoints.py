@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_equal
+from helpers import assert_equal, interpreter_only
 
 transformers = pytest.importorskip("transformers")
 fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8")
@@ -261,6 +261,7 @@ def test_ue8m0_scales_are_widened_exactly():
 
 
 @torch.no_grad()
+@interpreter_only("safemoe's Triton fp8 kernels on CPU tensors")
 def test_triton_backend_under_the_interpreter():
     """One block on safemoe's Triton fp8 kernels (interpreted here), with an fp8 workspace."""
     import safemoe

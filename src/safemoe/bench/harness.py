@@ -469,16 +469,17 @@ def error_note(exc: BaseException) -> str:
     return f"error: {type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
-def run_info() -> dict[str, Any]:
-    """Device, software versions and date of this run, for the JSON files."""
+def run_info(device: torch.device | None = None) -> dict[str, Any]:
+    """Device, software versions and date of this run, for the JSON files. `device`: the run's
+    device when it is not the current CUDA device (a CPU run on a GPU machine says "cpu")."""
     info: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": getattr(triton, "__version__", None) if triton is not None else None,
         "cuda": torch.version.cuda,
     }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
         info.update(
             device=props.name,
             capability=f"{props.major}.{props.minor}",

@@ -745,7 +745,7 @@ def run_serving(
         "phases_s": {},
         "transformers": __import__("transformers").__version__,
     }
-    report = Report(run_info(), settings, rows)
+    report = Report(run_info(device), settings, rows)
     recorder = StepRecorder(force_padding=force_padding)
     began = time.perf_counter()
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from safemoe import _checks, ops
 from safemoe._checks import NumValid
+from safemoe._triton import require_triton
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, Health, check_health
 from safemoe.layer import MoE
 from safemoe.route_config import RouteConfig
@@ -336,6 +337,8 @@ def ep_experts(
             f"gives {layout.experts_per_rank} per rank"
         )
     exchange = resolve_exchange(exchange, device=x.device)
+    if exchange == "triton":
+        require_triton(x.device, "ep_experts(exchange='triton')")
 
     def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                    in_splits: list[int] | None) -> None:  # fmt: skip
