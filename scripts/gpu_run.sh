@@ -7,7 +7,7 @@
 #
 # Environment:
 #   GPU_RUN_STAGES  stages to run, comma-separated (default tests,sanitize,sanitize_check,soak,bench,serving)
-#   SANITIZE_CHECK_SCALE / _ONLY / _MAX_TIME / _TIMEOUT  the check matrix under memcheck (stage sanitize_check)
+#   SANITIZE_CHECK_SCALE / _ONLY / _SHARD / _MAX_TIME / _TIMEOUT  the check matrix under memcheck (stage sanitize_check)
 #   SOAK_REPLAYS / SOAK_TIMEOUT  replays of the soak stage (default 100000) and its limit (300 s)
 #   BENCH_SUITES    suites for the bench stage (default: all)
 #   QUICK=1         smaller bench and per-stage time limits that fit a 7-minute call
@@ -111,13 +111,15 @@ if has_stage sanitize_check; then
     # The whole `safemoe check` matrix under compute-sanitizer memcheck. SANITIZE_CHECK_SCALE=cpu
     # (default) is what `check --sanitizer` runs: 472 cases, 87 s on an H100; =cuda is the CUDA-sized
     # matrix (~8,000 cases of the seven data-path families at ~8 a second on an H100, so about 20
-    # minutes with fp8/invariance): split it over calls with SANITIZE_CHECK_ONLY (families) and
-    # SANITIZE_CHECK_MAX_TIME; the JSON of each call lists what ran and what was left.
+    # minutes with fp8/invariance): split it over calls with SANITIZE_CHECK_SHARD=K/N (calls 1/N..N/N
+    # cover it once), SANITIZE_CHECK_ONLY (families) and SANITIZE_CHECK_MAX_TIME; the JSON of each
+    # call lists what ran and what was left.
     scale=${SANITIZE_CHECK_SCALE:-cpu}
     limit=${SANITIZE_CHECK_TIMEOUT:-$([ "$QUICK" = "1" ] && echo 150 || echo 1800)}
     echo "== sanitize_check (scale $scale, limit $limit s) =="
     timeout -s INT --kill-after=30 "$limit" python3 -m safemoe check --sanitizer --scale "$scale" \
         --peers none ${SANITIZE_CHECK_ONLY:+--only "$SANITIZE_CHECK_ONLY"} \
+        ${SANITIZE_CHECK_SHARD:+--shard "$SANITIZE_CHECK_SHARD"} \
         ${SANITIZE_CHECK_MAX_TIME:+--max-time "$SANITIZE_CHECK_MAX_TIME"} \
         --json "$OUT_DIR/sanitize_check_$scale.json" > "$OUT_DIR/sanitize_check.log" 2>&1
     rc=$?

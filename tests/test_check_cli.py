@@ -50,6 +50,26 @@ def test_check_passes_on_the_reference(capsys: pytest.CaptureFixture[str], tmp_p
     assert {name for name, _, _ in statuses} == checks
 
 
+def test_shards_partition_the_matrix() -> None:
+    """--shard K/N: runs 1/N..N/N plan every (backend, check, case) of the matrix exactly once."""
+    cases = select_cases(["routing", "dispatch.bad_ids", "ep"])
+    backends = [adapters.make_adapter("reference", torch.device("cpu"))]
+    device = torch.device("cpu")
+
+    def planned(part):
+        jobs, decided, _ = runner.plan_jobs(cases, backends, device=device, scale=1, only_case=None,
+                                            sanitizer=False, part=part)  # fmt: skip
+        keys = [(job.backend, name, i) for job in jobs for name, i in job.items]
+        return keys + [(r.backend, r.check, r.case) for r in decided]
+
+    whole = planned(None)
+    assert len(whole) == len(set(whole)) > 20
+    for n in (1, 3, 7):
+        parts = [planned((k, n)) for k in range(1, n + 1)]
+        assert sorted(key for part in parts for key in part) == sorted(whole), n
+        assert all(parts), n
+
+
 def _duplicating_route(real_route):
     def route(logits, top_k, **kwargs):
         routing = real_route(logits, top_k, **kwargs)

@@ -96,6 +96,18 @@ def int_in(low: int, high: int = INT64_MAX) -> Callable[[str], int]:
     return parse
 
 
+def shard(text: str) -> tuple[int, int]:
+    """K/N with 1 <= K <= N: the K-th of N disjoint parts."""
+    parts = text.split("/")
+    try:
+        k, n = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
+    except ValueError:
+        k, n = 0, 0
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"must be K/N with 1 <= K <= N (e.g. 2/3), got {text!r}")
+    return k, n
+
+
 def seconds(*, allow_zero: bool) -> Callable[[str], float]:
     """A finite number of seconds, > 0 (or >= 0 with allow_zero)."""
 

@@ -51,6 +51,7 @@ from safemoe.cli import (
     prepare_output,
     reports_usage_errors,
     seconds,
+    shard,
     unknown_names_message,
 )
 
@@ -173,6 +174,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is 1 if a chosen backend's were among them",
     )
     parser.add_argument(
+        "--shard",
+        type=shard,
+        default=None,
+        metavar="K/N",
+        help="run the K-th of N disjoint parts of the selected matrix (case i of each check where "
+        "i mod N = K-1), so runs 1/N..N/N together cover it once: a long matrix split over calls",
+    )
+    parser.add_argument(
         "--json",
         type=output_file,
         default=None,
@@ -291,6 +300,7 @@ def plan_jobs(
     scale: int,
     only_case: int | None,
     sanitizer: bool,
+    part: tuple[int, int] | None = None,
 ) -> tuple[list[Job], list[CaseResult], dict[str, int]]:
     """(jobs to run, results decided without running, case count per check). Jobs hold cases of
     one backend: chunks of a check (small chunks spread the slow Triton compiles over the
@@ -307,7 +317,10 @@ def plan_jobs(
         for case in cases:
             grid = grids[case.name]
             counts[case.name] = len(grid)
-            indices = [i for i in range(len(grid)) if only_case is None or i == only_case]
+            indices = [
+                i for i in range(len(grid))
+                if (only_case is None or i == only_case) and (part is None or i % part[1] == part[0] - 1)
+            ]
             static = static_status(case, adapter, device)
             if static is not None:
                 decided += [
@@ -671,6 +684,7 @@ def write_json(
         "quick": args.quick,
         "scale": scale,
         "sanitizer": args.sanitizer,
+        "shard": None if args.shard is None else f"{args.shard[0]}/{args.shard[1]}",
         "families": families,
         "backends": {
             a.name: {
@@ -780,7 +794,8 @@ def run(args: argparse.Namespace) -> int:
     adapters = make_adapters(chosen + peers, device)
     config = WorkerConfig(device=str(device), seed=args.seed, scale=scale, plugins=list(args.plugin))
     jobs, decided, _ = plan_jobs(
-        cases, adapters, device=device, scale=scale, only_case=args.case, sanitizer=sanitizer is not None
+        cases, adapters, device=device, scale=scale, only_case=args.case, sanitizer=sanitizer is not None,
+        part=args.shard,
     )
     cuda = device.type == "cuda"
     workers = args.jobs if args.jobs is not None else min(14 if cuda else 8, os.cpu_count() or 1)
@@ -823,6 +838,8 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     families = [f for f in FAMILIES if any(c.family == f for c in cases)]
     names = [n for n in ("quick",) if args.quick] + (["memcheck"] if sanitizer else [])
+    if args.shard is not None:
+        names.append(f"shard {args.shard[0]}/{args.shard[1]}")
     title = f"safemoe check ({device}, seed {args.seed}{''.join(', ' + n for n in names)})"
     reports = memcheck if sanitizer else None
     absent = {a.name: a.state for a in adapters if a.name in chosen and not (a.installed and a.available)}
