@@ -304,6 +304,46 @@ def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
 
 
 @interpreter_only(INTERPRETER_ONLY)
+def test_one_launch_serves_both_tile_regimes() -> None:
+    """Main and small-batch tiles that differ in every constexpr (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA
+    on one side only) in ONE launch per GEMM: for num_valid = 0..T (a device tensor, one reused
+    workspace, poisoned outputs) the result equals the reference and, bit for bit, a run with the
+    tiles of the regime num_valid picks alone (what the two-launch version computed)."""
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS
+
+    gen = torch.Generator().manual_seed(24)
+    num_tokens, num_experts, top_k, hidden, inter = 24, 6, 2, 48, 40
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    # H = 48: block_k 16 divides it (EVEN_K), 32 does not; I = 40 is no multiple of any block_n.
+    main = ExpertsConfig(32, GemmTiles(block_n=32, block_k=16, group_m=2, num_stages=1),
+                         GemmTiles(block_n=16, block_k=32, group_m=2, num_stages=1, tma=True))
+    small = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1, tma=True),
+                          GemmTiles(block_n=64, block_k=16, group_m=1, num_stages=1))
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    nv = torch.tensor(0)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        padded_x = x.clone()
+        padded_x[num_valid:] = math.nan
+        padded_ids = ids.clone()
+        padded_ids[num_valid:] = STALE_ID
+        out = experts_triton(padded_x, w13, w2, weights, padded_ids, activation="silu",
+                             num_valid=NumValid(None, nv), health=None, workspace=ws,
+                             out=poisoned(x.shape, torch.float32), config=main, small_config=small)
+        is_small = num_valid <= SMALL_BATCH_TOKENS
+        blocks = [int(b) for b in views.num_blocks]
+        assert (blocks[1] > 0) == (is_small and num_valid > 0) and (blocks[0] > 0) == (not is_small), blocks
+        alone = _run(padded_x, w13, w2, weights, padded_ids, num_valid=NumValid(None, nv),
+                     out=poisoned(x.shape, torch.float32), config=small if is_small else main)
+        assert_equal(out, alone, what=f"num_valid={num_valid}: one launch vs the regime's tiles alone")
+        assert_close(out, experts_reference(x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None)))
+        assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+
+
+@interpreter_only(INTERPRETER_ONLY)
 def test_garbage_ids_via_public_api() -> None:
     """Stale, duplicate, -1, negative and >= E ids: dropped ones counted exactly, duplicates served."""
     gen = torch.Generator().manual_seed(11)
