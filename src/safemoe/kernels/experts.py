@@ -629,8 +629,9 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
     """The tiles for few valid rows (num_valid <= SMALL_BATCH_TOKENS) in a batch whose bucket is
     larger, when the batch's own tiles are of another regime (a larger BLOCK_M): a graph captured
     for 1024 rows then replays a decode step with decode tiles instead of prefill tiles. Between
-    two decode configs the switch is not worth its two extra (empty) launches, which cost ~2% at
-    T = 64 on the Qwen3 shape (H200, run 2)."""
+    two decode configs the switch stays off: when it cost two extra (empty) launches it cost ~2% at
+    T = 64 on the Qwen3 shape (H200, run 2); now it costs none (one launch holds both regimes), but
+    that case has not been re-measured."""
     if num_tokens <= SMALL_BATCH_TOKENS:
         return None
     small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
