@@ -632,3 +632,63 @@ def test_padding_same_config_bitwise_and_t1_vs_t1024(record_property) -> None:
     record_property("t1_vs_t1024_bitwise", same)
     print(f"T=1 vs T=1024,num_valid=1 bitwise equal: {same}")
     _check_rel(single, full[:1], "T=1 vs T=1024 num_valid=1")
+
+
+@pytest.mark.gpu
+def test_both_tile_regimes_in_one_graph_qwen3(record_property) -> None:
+    """Qwen3 shape, T = 1024 with the device's tuned configs, one CUDA graph replayed with the
+    device num_valid crossing SMALL_BATCH_TOKENS both ways (one workspace, NaN and stale ids in
+    the padding): each GEMM is one launch holding both tile sets. Valid rows match the reference;
+    against an eager run with the picked regime's tiles alone (what the two-launch version ran)
+    they are close (asserted) and bitwise equal or not (recorded: the launch runs the small tiles
+    with the main config's num_warps/num_stages)."""
+    from safemoe.configs import get_config
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS, small_batch_config
+
+    num_tokens = 1024
+    num_experts, top_k, hidden, inter, _ = MODEL_SHAPES["qwen3-30b-a3b"]
+    device = torch.device("cuda", torch.cuda.current_device())
+    main = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+    small = small_batch_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device, main)
+    if small is None:
+        pytest.skip("this device's configs have no separate small-batch regime at T=1024")
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    clean_x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, clean_ids = _gpu_routing(num_tokens, top_k, num_experts)
+    x, ids = clean_x.clone(), clean_ids.clone()
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    out = torch.empty_like(x)
+
+    def step() -> None:
+        _run(x, w13, w2, weights, ids, num_valid=NumValid(None, nv), workspace=ws, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    bitwise = {}
+    for count in (1, num_tokens, 8, 9, 0, 3, SMALL_BATCH_TOKENS + 100):
+        x.copy_(clean_x)
+        ids.copy_(clean_ids)
+        x[count:] = math.nan
+        ids[count:] = STALE_ID
+        nv.fill_(count)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal(out[count:], torch.zeros_like(out[count:]), what=f"padded rows num_valid={count}")
+        if not count:
+            continue
+        ref = _reference(clean_x, w13, w2, weights, clean_ids, num_valid=count)
+        _check_rel(out[:count], ref[:count], f"graph num_valid={count}")
+        alone = _run(x, w13, w2, weights, ids, num_valid=NumValid(None, nv),
+                     config=small if count <= SMALL_BATCH_TOKENS else main)
+        _check_rel(out[:count], alone[:count], f"num_valid={count}: one launch vs the regime alone")
+        bitwise[count] = bool(torch.equal(out[:count].view(torch.int16), alone[:count].view(torch.int16)))
+    record_property("bitwise_vs_regime_alone", bitwise)
+    print(f"one launch vs the picked regime's tiles alone, bitwise equal per num_valid: {bitwise}")
