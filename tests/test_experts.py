@@ -304,6 +304,46 @@ def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
 
 
 @interpreter_only(INTERPRETER_ONLY)
+def test_one_launch_serves_both_tile_regimes() -> None:
+    """Main and small-batch tiles that differ in every constexpr (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA
+    on one side only) in ONE launch per GEMM: for num_valid = 0..T (a device tensor, one reused
+    workspace, poisoned outputs) the result equals the reference and, bit for bit, a run with the
+    tiles of the regime num_valid picks alone (what the two-launch version computed)."""
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS
+
+    gen = torch.Generator().manual_seed(24)
+    num_tokens, num_experts, top_k, hidden, inter = 24, 6, 2, 48, 40
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    # H = 48: block_k 16 divides it (EVEN_K), 32 does not; I = 40 is no multiple of any block_n.
+    main = ExpertsConfig(32, GemmTiles(block_n=32, block_k=16, group_m=2, num_stages=1),
+                         GemmTiles(block_n=16, block_k=32, group_m=2, num_stages=1, tma=True))
+    small = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1, tma=True),
+                          GemmTiles(block_n=64, block_k=16, group_m=1, num_stages=1))
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    nv = torch.tensor(0)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        padded_x = x.clone()
+        padded_x[num_valid:] = math.nan
+        padded_ids = ids.clone()
+        padded_ids[num_valid:] = STALE_ID
+        out = experts_triton(padded_x, w13, w2, weights, padded_ids, activation="silu",
+                             num_valid=NumValid(None, nv), health=None, workspace=ws,
+                             out=poisoned(x.shape, torch.float32), config=main, small_config=small)
+        is_small = num_valid <= SMALL_BATCH_TOKENS
+        blocks = [int(b) for b in views.num_blocks]
+        assert (blocks[1] > 0) == (is_small and num_valid > 0) and (blocks[0] > 0) == (not is_small), blocks
+        alone = _run(padded_x, w13, w2, weights, padded_ids, num_valid=NumValid(None, nv),
+                     out=poisoned(x.shape, torch.float32), config=small if is_small else main)
+        assert_equal(out, alone, what=f"num_valid={num_valid}: one launch vs the regime's tiles alone")
+        assert_close(out, experts_reference(x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None)))
+        assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+
+
+@interpreter_only(INTERPRETER_ONLY)
 def test_garbage_ids_via_public_api() -> None:
     """Stale, duplicate, -1, negative and >= E ids: dropped ones counted exactly, duplicates served."""
     gen = torch.Generator().manual_seed(11)
@@ -592,3 +632,63 @@ def test_padding_same_config_bitwise_and_t1_vs_t1024(record_property) -> None:
     record_property("t1_vs_t1024_bitwise", same)
     print(f"T=1 vs T=1024,num_valid=1 bitwise equal: {same}")
     _check_rel(single, full[:1], "T=1 vs T=1024 num_valid=1")
+
+
+@pytest.mark.gpu
+def test_both_tile_regimes_in_one_graph_qwen3(record_property) -> None:
+    """Qwen3 shape, T = 1024 with the device's tuned configs, one CUDA graph replayed with the
+    device num_valid crossing SMALL_BATCH_TOKENS both ways (one workspace, NaN and stale ids in
+    the padding): each GEMM is one launch holding both tile sets. Valid rows match the reference;
+    against an eager run with the picked regime's tiles alone (what the two-launch version ran)
+    they are close (asserted) and bitwise equal or not (recorded: the launch runs the small tiles
+    with the main config's num_warps/num_stages)."""
+    from safemoe.configs import get_config
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS, small_batch_config
+
+    num_tokens = 1024
+    num_experts, top_k, hidden, inter, _ = MODEL_SHAPES["qwen3-30b-a3b"]
+    device = torch.device("cuda", torch.cuda.current_device())
+    main = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+    small = small_batch_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device, main)
+    if small is None:
+        pytest.skip("this device's configs have no separate small-batch regime at T=1024")
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    clean_x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, clean_ids = _gpu_routing(num_tokens, top_k, num_experts)
+    x, ids = clean_x.clone(), clean_ids.clone()
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    out = torch.empty_like(x)
+
+    def step() -> None:
+        _run(x, w13, w2, weights, ids, num_valid=NumValid(None, nv), workspace=ws, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    bitwise = {}
+    for count in (1, num_tokens, 8, 9, 0, 3, SMALL_BATCH_TOKENS + 100):
+        x.copy_(clean_x)
+        ids.copy_(clean_ids)
+        x[count:] = math.nan
+        ids[count:] = STALE_ID
+        nv.fill_(count)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal(out[count:], torch.zeros_like(out[count:]), what=f"padded rows num_valid={count}")
+        if not count:
+            continue
+        ref = _reference(clean_x, w13, w2, weights, clean_ids, num_valid=count)
+        _check_rel(out[:count], ref[:count], f"graph num_valid={count}")
+        alone = _run(x, w13, w2, weights, ids, num_valid=NumValid(None, nv),
+                     config=small if count <= SMALL_BATCH_TOKENS else main)
+        _check_rel(out[:count], alone[:count], f"num_valid={count}: one launch vs the regime alone")
+        bitwise[count] = bool(torch.equal(out[:count].view(torch.int16), alone[:count].view(torch.int16)))
+    record_property("bitwise_vs_regime_alone", bitwise)
+    print(f"one launch vs the picked regime's tiles alone, bitwise equal per num_valid: {bitwise}")

@@ -1,6 +1,7 @@
 """The expert MLPs on the dispatch layout: GEMM1 (gate, up, activation) and GEMM2 (down, weight).
 
-Data path of `experts_triton` (five launches, four when one dispatch chunk covers all slots):
+Data path of `experts_triton` (five launches, four when one dispatch chunk covers all slots;
+the small-batch tiles, when a batch has them, live in the same two GEMM launches):
   dispatch (count [+ scatter]) -> GEMM1 -> GEMM2 -> combine, all buffers in one `Workspace`.
 
 GEMM1 reads x rows *through* `sorted_slots` (token = slot // K; a -1 sentinel row is a masked load
@@ -21,6 +22,13 @@ the small-batch switch is off, so a valid row's bits depend on nothing but its o
 tiles fix each output's K-loop order and MMA shape; the grid only decides which program runs a
 tile). Addresses that are products of a row and a row length use
 int64 (T*K*H and capacity*I can pass 2^31).
+
+Two tile regimes in one launch: a batch bucket above SMALL_BATCH_TOKENS whose tiles differ from
+the small-batch ones compiles each GEMM with both sets of tile constexprs (HAS_SMALL). Dispatch
+builds one layout, chosen on the device from num_valid, and zeroes the other's M-block count; each
+program reads num_blocks[1] first and loops over the small tiles when it is > 0, else over the
+main ones. One launch per GEMM instead of two, of which one found no M-block: that empty launch
+cost ~3-4 us per GEMM in the CUDA-graph chain (H100, Qwen3 shape, T=1024 with one valid row).
 
 Activations (gate g, up u, fp32): silu g*sigmoid(g)*u; gelu (tanh form) 0.5*g*(1+tanh(...))*u;
 swigluoai min(g,7)*sigmoid(1.702*min(g,7))*(clamp(u,-7,7)+1) on the same gate-then-up layout.
@@ -159,47 +167,16 @@ def _dequantize(acc, a_scale_rows_ptr, row_ok, w_scale_ptr, QUANT: tl.constexpr)
 
 
 @triton.jit
-def _gemm1_kernel(
-    # inputs
-    x_ptr,  # [T, H] x, or (QUANT) its fp8 rows
-    w13_arg,  # pointer to [E, 2I, H] (gate rows [0, I), up rows [I, 2I)), or with USE_TMA a
-    #           tensor descriptor over its [E*2I, H] view with [BLOCK_N, BLOCK_K] boxes
-    sorted_slots_ptr,  # [capacity] int32, -1 in padding
-    block_end_ptr,  # [E] int32
-    num_blocks_ptr,  # [1] int32: M-blocks of this launch's layout (0: nothing to do)
-    x_scale_ptr,  # QUANT: [T, x_scale_stride] float32 per-token (1) or 1x128-group scales of x
-    w13_scale_ptr,  # QUANT 1: [E] or [E, 2] float32; QUANT 2: [E, rows of 128-blocks, ceil(H/128)]
-    # outputs
-    inter_ptr,  # [capacity, I]
-    # shapes
-    hidden,
-    inter,
-    num_experts,
-    expert_stride,  # 2 * I * H
-    up_offset,  # I * H
-    x_scale_stride,  # QUANT: scale columns per x row
-    w_scale_expert_stride,  # QUANT: scales per expert
-    w_scale_row_stride,  # QUANT 2: scale columns per 128-row block (ceil(H/128))
-    up_scale_row,  # QUANT 2: up row n's scale row is (up_scale_row + n) // 128 + up_scale_offset
-    up_scale_offset,  # QUANT 1: index of the up scale in an expert's scales (0 or 1)
-    TOP_K: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    NUM_BINS: tl.constexpr,
-    QUANT: tl.constexpr,  # 0: none; 1: fp8 per-tensor weights, per-token x; 2: fp8 128x128 blocks
-    UPCAST: tl.constexpr,  # interpreter with bf16 operands: multiply in fp32
-    # tunable
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
+def _gemm1_tiles(
+    x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr, w13_scale_ptr, inter_ptr,
+    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    up_scale_row, up_scale_offset,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
-    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
+    """GEMM1's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows with one set of
+    tiles (arguments as in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K])."""
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     for tile in range(tl.program_id(0), num_m_blocks * num_n_blocks, tl.num_programs(0)):
         n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
@@ -269,42 +246,90 @@ def _gemm1_kernel(
 
 
 @triton.jit
-def _gemm2_kernel(
+def _gemm1_kernel(
     # inputs
-    inter_ptr,  # [capacity, I] intermediate, or (QUANT) its fp8 rows
-    w2_arg,  # pointer to [E, H, I], or with USE_TMA a descriptor over [E*H, I], [BLOCK_N, BLOCK_K] boxes
-    weights_ptr,  # [T, K] float32, indexed by slot
+    x_ptr,  # [T, H] x, or (QUANT) its fp8 rows
+    w13_arg,  # pointer to [E, 2I, H] (gate rows [0, I), up rows [I, 2I)), or with USE_TMA a
+    #           tensor descriptor over its [E*2I, H] view with [BLOCK_N, BLOCK_K] boxes
+    w13_small_arg,  # HAS_SMALL: w13 again, with SMALL_USE_TMA a descriptor with the small tiles' boxes
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
-    num_blocks_ptr,  # [1] int32: M-blocks of this launch's layout (0: nothing to do)
-    inter_scale_ptr,  # QUANT: [capacity, inter_scale_stride] float32 scales of the intermediate rows
-    w2_scale_ptr,  # QUANT 1: [E] float32; QUANT 2: [E, ceil(H/128), ceil(I/128)]
+    num_blocks_ptr,  # [2] int32: M-blocks of the main layout, of the small-batch layout (one is 0)
+    x_scale_ptr,  # QUANT: [T, x_scale_stride] float32 per-token (1) or 1x128-group scales of x
+    w13_scale_ptr,  # QUANT 1: [E] or [E, 2] float32; QUANT 2: [E, rows of 128-blocks, ceil(H/128)]
     # outputs
-    y_ptr,  # [T*K, H]
+    inter_ptr,  # [capacity, I]
     # shapes
     hidden,
     inter,
     num_experts,
-    expert_stride,  # H * I
-    inter_scale_stride,  # QUANT: scale columns per intermediate row
+    expert_stride,  # 2 * I * H
+    up_offset,  # I * H
+    x_scale_stride,  # QUANT: scale columns per x row
     w_scale_expert_stride,  # QUANT: scales per expert
-    w_scale_row_stride,  # QUANT 2: ceil(I/128)
+    w_scale_row_stride,  # QUANT 2: scale columns per 128-row block (ceil(H/128))
+    up_scale_row,  # QUANT 2: up row n's scale row is (up_scale_row + n) // 128 + up_scale_offset
+    up_scale_offset,  # QUANT 1: index of the up scale in an expert's scales (0 or 1)
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     NUM_BINS: tl.constexpr,
-    QUANT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    # tunable
+    QUANT: tl.constexpr,  # 0: none; 1: fp8 per-tensor weights, per-token x; 2: fp8 128x128 blocks
+    UPCAST: tl.constexpr,  # interpreter with bf16 operands: multiply in fp32
+    # tunable: main tiles (layout 0)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
+    # tunable: small-batch tiles (layout 1), used when HAS_SMALL and num_blocks[1] > 0
+    HAS_SMALL: tl.constexpr,
+    SMALL_BLOCK_M: tl.constexpr,
+    SMALL_BLOCK_N: tl.constexpr,
+    SMALL_BLOCK_K: tl.constexpr,
+    SMALL_GROUP_M: tl.constexpr,
+    SMALL_EVEN_K: tl.constexpr,
+    SMALL_USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
 ):
     wait_for_previous_kernel(USE_PDL)
     num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
+    if HAS_SMALL:
+        # Dispatch built one of the two layouts (its block_end is the one in block_end_ptr) and set
+        # the other's M-block count to 0: one launch serves both regimes.
+        num_small_blocks = tl.load(num_blocks_ptr + 1)
+        if num_small_blocks > 0:
+            _gemm1_tiles(x_ptr, w13_small_arg, sorted_slots_ptr, num_small_blocks, block_end, x_scale_ptr,
+                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
+                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                         TOP_K, ACTIVATION, QUANT, UPCAST, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K,
+                         SMALL_GROUP_M, SMALL_EVEN_K, DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
+        else:
+            _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
+                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
+                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                         TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                         DOT_PRECISION, USE_TMA, ROWWISE)
+    else:
+        _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
+                     w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
+                     w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                     TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                     DOT_PRECISION, USE_TMA, ROWWISE)
+
+
+@triton.jit
+def _gemm2_tiles(
+    inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end, inter_scale_ptr, w2_scale_ptr,
+    y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """GEMM2's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows with one set of
+    tiles (arguments as in _gemm2_kernel)."""
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     for tile in range(tl.program_id(0), num_m_blocks * num_n_blocks, tl.num_programs(0)):
         n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
@@ -354,6 +379,73 @@ def _gemm2_kernel(
         acc = acc * weight[:, None]
         out_ptrs = y_ptr + safe_slots.to(tl.int64)[:, None] * hidden + cols[None, :]
         tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < hidden)[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(
+    # inputs
+    inter_ptr,  # [capacity, I] intermediate, or (QUANT) its fp8 rows
+    w2_arg,  # pointer to [E, H, I], or with USE_TMA a descriptor over [E*H, I], [BLOCK_N, BLOCK_K] boxes
+    w2_small_arg,  # HAS_SMALL: w2 again, with SMALL_USE_TMA a descriptor with the small tiles' boxes
+    weights_ptr,  # [T, K] float32, indexed by slot
+    sorted_slots_ptr,  # [capacity] int32, -1 in padding
+    block_end_ptr,  # [E] int32
+    num_blocks_ptr,  # [2] int32: M-blocks of the main layout, of the small-batch layout (one is 0)
+    inter_scale_ptr,  # QUANT: [capacity, inter_scale_stride] float32 scales of the intermediate rows
+    w2_scale_ptr,  # QUANT 1: [E] float32; QUANT 2: [E, ceil(H/128), ceil(I/128)]
+    # outputs
+    y_ptr,  # [T*K, H]
+    # shapes
+    hidden,
+    inter,
+    num_experts,
+    expert_stride,  # H * I
+    inter_scale_stride,  # QUANT: scale columns per intermediate row
+    w_scale_expert_stride,  # QUANT: scales per expert
+    w_scale_row_stride,  # QUANT 2: ceil(I/128)
+    NUM_BINS: tl.constexpr,
+    QUANT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    # tunable: main tiles (layout 0)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    # tunable: small-batch tiles (layout 1), used when HAS_SMALL and num_blocks[1] > 0
+    HAS_SMALL: tl.constexpr,
+    SMALL_BLOCK_M: tl.constexpr,
+    SMALL_BLOCK_N: tl.constexpr,
+    SMALL_BLOCK_K: tl.constexpr,
+    SMALL_GROUP_M: tl.constexpr,
+    SMALL_EVEN_K: tl.constexpr,
+    SMALL_USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
+):
+    wait_for_previous_kernel(USE_PDL)
+    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
+    if HAS_SMALL:
+        # As in _gemm1_kernel: the layout dispatch built decides the tiles.
+        num_small_blocks = tl.load(num_blocks_ptr + 1)
+        if num_small_blocks > 0:
+            _gemm2_tiles(inter_ptr, w2_small_arg, weights_ptr, sorted_slots_ptr, num_small_blocks, block_end,
+                         inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
+                         inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
+                         SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K,
+                         DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
+        else:
+            _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
+                         inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
+                         inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+    else:
+        _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
+                     inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
+                     w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                     GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -429,19 +521,58 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreter_enabled()
 
 
+def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: int, top_k: int,
+             cfg: ExpertsConfig, tiles: GemmTiles, small: ExpertsConfig | None,
+             small_tiles: GemmTiles | None) -> tuple[object, int, dict[str, object]]:
+    """(small weight operand, grid, tile constexprs) of one GEMM launch serving both tile regimes.
+
+    The grid is the larger of the two regimes' persistent grids (main: the M-blocks T tokens can
+    produce; small: those of min(T, SMALL_BATCH_TOKENS) tokens), so it depends on T alone. Without
+    a small config, HAS_SMALL=False compiles the single-regime kernel; its SMALL_* constexprs then
+    repeat the main ones (unused)."""
+    num_experts = weight.shape[0]
+    n_blocks = triton.cdiv(out_cols, tiles.block_n)
+    main_count = max_m_blocks(num_tokens, num_experts, top_k, cfg.block_m) * n_blocks
+    grid = persistent_grid(main_count, weight.device, cfg.programs_per_sm)
+    meta: dict[str, object] = {
+        "BLOCK_M": cfg.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
+        "EVEN_K": reduction % tiles.block_k == 0, "USE_TMA": _use_tma(weight, tiles),
+    }
+    if small is None or small_tiles is None:
+        meta.update({"HAS_SMALL": False, **{f"SMALL_{name}": value for name, value in meta.items()}})
+        meta["SMALL_USE_TMA"] = False
+        return weight, grid, meta
+    small_tokens = min(num_tokens, SMALL_BATCH_TOKENS)
+    small_n_blocks = triton.cdiv(out_cols, small_tiles.block_n)
+    small_count = max_m_blocks(small_tokens, num_experts, top_k, small.block_m) * small_n_blocks
+    grid = max(grid, persistent_grid(small_count, weight.device, small.programs_per_sm))
+    meta.update({
+        "HAS_SMALL": True, "SMALL_BLOCK_M": small.block_m, "SMALL_BLOCK_N": small_tiles.block_n,
+        "SMALL_BLOCK_K": small_tiles.block_k, "SMALL_GROUP_M": small_tiles.group_m,
+        "SMALL_EVEN_K": reduction % small_tiles.block_k == 0, "SMALL_USE_TMA": _use_tma(weight, small_tiles),
+    })
+    return _weight_operand(weight, small_tiles), grid, meta
+
+
+# One launch serves both regimes, so it has one num_warps/num_stages: the main config's. The small
+# tiles were tuned with their own (e.g. H100 Qwen3 T=8 GEMM2: 8 warps, 3 stages; T=1024: 4 and 4);
+# what running them with the main config's costs at T=1024, num_valid=1 is the number to measure
+# (scripts/debug/profile_padding.py) against the two empty launches this saves.
+
+
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
-               cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
-               use_pdl: bool = False, fp8: Fp8Operands | None = None,
-               rowwise: bool = False) -> None:
-    """GEMM1 over the layout whose M-block count is views.num_blocks[layout] (0: main, 1: small
-    batch); the grid covers the M-blocks `max_tokens` (default T) tokens can produce. With fp8,
-    x is ignored for its quantised rows in fp8.views (w13 is the fp8 weights)."""
+               cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, use_pdl: bool = False,
+               fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
+    """GEMM1 over the dispatch layout: with `small` (the small-batch tiles) the kernel reads
+    views.num_blocks[1] on the device and runs the small tiles over that layout when it is > 0,
+    else `cfg`'s tiles over views.num_blocks[0]. With fp8, x is ignored for its quantised rows in
+    fp8.views (w13 is the fp8 weights)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     tiles: GemmTiles = cfg.gemm1
-    rows = num_tokens if max_tokens is None else max_tokens
-    max_tiles = max_m_blocks(rows, num_experts, top_k, cfg.block_m) * triton.cdiv(inter, tiles.block_n)
+    small_arg, grid, meta = _regimes(w13, hidden, inter, num_tokens, top_k, cfg, tiles, small,
+                                     small.gemm1 if small is not None else None)
     a = x if fp8 is None else fp8.views.x
     if fp8 is None:
         a_scale, w_scale, strides = x, x, dict(_NO_SCALES)
@@ -451,32 +582,28 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         a_scale, w_scale = fp8.views.x_scale, fp8.weights.w13_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
-    grid = (persistent_grid(max_tiles, x.device, cfg.programs_per_sm),)
-    _gemm1_kernel[grid](
-        a, _weight_operand(w13, tiles), views.sorted_slots, views.block_end, views.num_blocks[layout:],
+    _gemm1_kernel[(grid,)](
+        a, _weight_operand(w13, tiles), small_arg, views.sorted_slots, views.block_end, views.num_blocks,
         a_scale, w_scale,
         views.intermediate,
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
-        QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=hidden % tiles.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
-        USE_TMA=_use_tma(w13, tiles), USE_PDL=use_pdl, ROWWISE=rowwise,
+        QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype), **meta,
+        DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
 
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
-               cfg: ExpertsConfig, *, layout: int = 0, max_tokens: int | None = None,
-               use_pdl: bool = False, fp8: Fp8Operands | None = None,
-               rowwise: bool = False) -> None:
-    """GEMM2 over the layout views.num_blocks[layout] counts (see gemm1_into); with fp8 its A rows
+               cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, use_pdl: bool = False,
+               fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
+    """GEMM2 over the dispatch layout, main or small tiles as in gemm1_into; with fp8 its A rows
     are the quantised intermediate in fp8.views."""
     num_experts, hidden, inter = w2.shape
     tiles: GemmTiles = cfg.gemm2
-    rows = num_tokens if max_tokens is None else max_tokens
-    max_tiles = max_m_blocks(rows, num_experts, top_k, cfg.block_m) * triton.cdiv(hidden, tiles.block_n)
+    small_arg, grid, meta = _regimes(w2, inter, hidden, num_tokens, top_k, cfg, tiles, small,
+                                     small.gemm2 if small is not None else None)
     a = views.intermediate if fp8 is None else fp8.views.inter
     if fp8 is None:
         a_scale, w_scale, strides = a, a, dict(_NO_SCALES)
@@ -485,16 +612,13 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         strides = _weight_scale_strides(w_scale, fp8.weights.mode)
     del strides["up_scale_row"], strides["up_scale_offset"]
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
-    grid = (persistent_grid(max_tiles, w2.device, cfg.programs_per_sm),)
-    _gemm2_kernel[grid](
-        a, _weight_operand(w2, tiles), weights, views.sorted_slots, views.block_end,
-        views.num_blocks[layout:], a_scale, w_scale,
+    _gemm2_kernel[(grid,)](
+        a, _weight_operand(w2, tiles), small_arg, weights, views.sorted_slots, views.block_end,
+        views.num_blocks, a_scale, w_scale,
         views.y,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
-        NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=inter % tiles.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
-        USE_TMA=_use_tma(w2, tiles), USE_PDL=use_pdl, ROWWISE=rowwise,
+        NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype), **meta,
+        DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
     )
 
@@ -505,8 +629,9 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
     """The tiles for few valid rows (num_valid <= SMALL_BATCH_TOKENS) in a batch whose bucket is
     larger, when the batch's own tiles are of another regime (a larger BLOCK_M): a graph captured
     for 1024 rows then replays a decode step with decode tiles instead of prefill tiles. Between
-    two decode configs the switch is not worth its two extra (empty) launches, which cost ~2% at
-    T = 64 on the Qwen3 shape (H200, run 2)."""
+    two decode configs the switch stays off: when it cost two extra (empty) launches it cost ~2% at
+    T = 64 on the Qwen3 shape (H200, run 2); now it costs none (one launch holds both regimes), but
+    that case has not been re-measured."""
     if num_tokens <= SMALL_BATCH_TOKENS:
         return None
     small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
@@ -548,10 +673,13 @@ def experts_triton(
 
     Tiles: `config` (default: `safemoe.configs.get_config` for T) and, for T above
     SMALL_BATCH_TOKENS, `small_config` (default: the config of SMALL_BATCH_TOKENS tokens when it
-    differs) used instead whenever num_valid <= SMALL_BATCH_TOKENS on the device: both GEMMs are
-    launched for both, and the pair that dispatch did not pick finds no M-block and returns. So
-    results are a deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS), and a row's bits
-    do not depend on what padding rows hold.
+    differs) used instead whenever num_valid <= SMALL_BATCH_TOKENS on the device: dispatch builds
+    the layout of the tiles that num_valid picks, and each GEMM is ONE launch holding both sets of
+    tiles that reads which layout is in use on the device (num_blocks[1] > 0: small) and loops over
+    its tiles; it runs with the main config's num_warps/num_stages either way. So results are a
+    deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS), and a row's bits do not depend
+    on what padding rows hold. Launches: dispatch (one, or count + scatter when T*K > 1024 slots),
+    GEMM1, GEMM2, combine: four or five.
 
     batch_invariant: one configuration for every T and no small-batch switch, so a valid row's
     output is bitwise the same whatever T, num_valid and the other rows hold. The configuration is
@@ -610,10 +738,8 @@ def experts_triton(
                            use_pdl=use_pdl)
     dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small, use_pdl=use_pdl)
     rowwise = batch_invariant and interpreter_enabled()
-    gemm1_into(x, w13, views, top_k, activation, config, use_pdl=use_pdl, fp8=operands, rowwise=rowwise)
-    if small_config is not None:
-        gemm1_into(x, w13, views, top_k, activation, small_config, layout=1, max_tokens=small_tokens,
-                   use_pdl=use_pdl, fp8=operands)
+    gemm1_into(x, w13, views, top_k, activation, config, small=small_config, use_pdl=use_pdl, fp8=operands,
+               rowwise=rowwise)
     if operands is not None:
         positions = max_m_blocks(num_tokens, num_experts, top_k, config.block_m) * config.block_m
         small_block_m = 0
@@ -624,9 +750,7 @@ def experts_triton(
         quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
                                 operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
                                 small_block_m, positions, use_pdl=use_pdl)
-    gemm2_into(w2, weights, views, num_tokens, top_k, config, use_pdl=use_pdl, fp8=operands, rowwise=rowwise)
-    if small_config is not None:
-        gemm2_into(w2, weights, views, num_tokens, top_k, small_config, layout=1, max_tokens=small_tokens,
-                   use_pdl=use_pdl, fp8=operands)
+    gemm2_into(w2, weights, views, num_tokens, top_k, config, small=small_config, use_pdl=use_pdl,
+               fp8=operands, rowwise=rowwise)
     combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
     return out
