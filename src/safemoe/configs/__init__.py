@@ -44,7 +44,7 @@ BLOCK_M_CHOICES = (16, 32, 64, 128)
 # candidates at T = 1..8192 against each T's own config and writes the shape's "batch_invariant"
 # entry; `safemoe bench --suite invariance` measures what the mode costs.
 BATCH_INVARIANT_TOKENS = 1024
-_CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl")
+_CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl", "one_launch")
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,19 @@ class ExpertsConfig:
     """block_m: rows per M-block; each expert's slots are padded to a multiple of it by dispatch,
     so both GEMMs share it. programs_per_sm caps the persistent grids at that many programs per SM.
     pdl: launch with programmatic dependent launch (Hopper+), overlapping each kernel's launch with
-    the previous kernel's tail."""
+    the previous kernel's tail. one_launch: when a batch of this bucket switches to the small-batch
+    tiles (few valid rows), each GEMM is one launch compiled with both tile sets (the small ones
+    then run with these num_warps/num_stages) instead of two launches, one of which finds no work:
+    a tuned choice per bucket, since the merged kernel can cost the main tiles a few percent (H100,
+    2026-11-24: Qwen3 T=256 +3.5%, DeepSeek-V3 T=2048 +4%) while it saves ~5 µs on a padded decode
+    step (Qwen3 and gpt-oss at T=1024 with one valid row)."""
 
     block_m: int
     gemm1: GemmTiles
     gemm2: GemmTiles
     programs_per_sm: int = 4
     pdl: bool = False
+    one_launch: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +104,7 @@ class ExpertsConfig:
             gemm2=GemmTiles(**data["gemm2"]),
             programs_per_sm=int(data.get("programs_per_sm", 4)),
             pdl=bool(data.get("pdl", False)),
+            one_launch=bool(data.get("one_launch", False)),
             extra={k: v for k, v in data.items() if k not in _CONFIG_FIELDS},
         )
 

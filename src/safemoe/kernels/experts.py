@@ -1,7 +1,7 @@
 """The expert MLPs on the dispatch layout: GEMM1 (gate, up, activation) and GEMM2 (down, weight).
 
-Data path of `experts_triton` (five launches, four when one dispatch chunk covers all slots;
-the small-batch tiles, when a batch has them, live in the same two GEMM launches):
+Data path of `experts_triton` (five launches, four when one dispatch chunk covers all slots, plus
+two GEMM launches when a batch has small-batch tiles that are not in the GEMMs' own launch):
   dispatch (count [+ scatter]) -> GEMM1 -> GEMM2 -> combine, all buffers in one `Workspace`.
 
 GEMM1 reads x rows *through* `sorted_slots` (token = slot // K; a -1 sentinel row is a masked load
@@ -23,12 +23,15 @@ tiles fix each output's K-loop order and MMA shape; the grid only decides which 
 tile). Addresses that are products of a row and a row length use
 int64 (T*K*H and capacity*I can pass 2^31).
 
-Two tile regimes in one launch: a batch bucket above SMALL_BATCH_TOKENS whose tiles differ from
-the small-batch ones compiles each GEMM with both sets of tile constexprs (HAS_SMALL). Dispatch
-builds one layout, chosen on the device from num_valid, and zeroes the other's M-block count; each
+Two tile regimes: a batch bucket above SMALL_BATCH_TOKENS whose tiles differ from the small-batch
+ones has both. Dispatch builds one layout, chosen on the device from num_valid, and zeroes the
+other's M-block count. Either each GEMM is launched twice (main tiles over layout 0, small tiles
+over layout 1; the launch of the unused layout finds no M-block and returns), or, with the
+bucket's config `one_launch`, once, compiled with both sets of tile constexprs (HAS_SMALL): each
 program reads num_blocks[1] first and loops over the small tiles when it is > 0, else over the
-main ones. One launch per GEMM instead of two, of which one found no M-block: that empty launch
-cost ~3-4 us per GEMM in the CUDA-graph chain (H100, Qwen3 shape, T=1024 with one valid row).
+main ones. The empty launch costs ~3-4 us per GEMM in the CUDA-graph chain (H100, Qwen3 shape,
+T=1024 with one valid row); the merged kernel runs the small tiles with the main config's
+num_warps/num_stages and can cost the main tiles a few percent, so it is a tuned choice.
 
 Activations (gate g, up u, fp32): silu g*sigmoid(g)*u; gelu (tanh form) 0.5*g*(1+tanh(...))*u;
 swigluoai min(g,7)*sigmoid(1.702*min(g,7))*(clamp(u,-7,7)+1) on the same gate-then-up layout.
@@ -554,24 +557,30 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
     return _weight_operand(weight, small_tiles), grid, meta
 
 
-# One launch serves both regimes, so it has one num_warps/num_stages: the main config's. The small
-# tiles were tuned with their own (e.g. H100 Qwen3 T=8 GEMM2: 8 warps, 3 stages; T=1024: 4 and 4);
-# what running them with the main config's costs at T=1024, num_valid=1 is the number to measure
-# (scripts/debug/profile_padding.py) against the two empty launches this saves.
+# A merged launch (one_launch) has one num_warps/num_stages: the main config's. The small tiles
+# were tuned with their own (e.g. H100 Qwen3 T=8 GEMM2: 8 warps, 3 stages; T=1024: 4 and 4).
+# Measured on an H100 (2026-11-24, bench_compare, one round): padded decode (T=1024, 1 valid row)
+# Qwen3 54.7 -> 49.6 us and gpt-oss 98.6 -> 93.5 us, but DeepSeek-V3 273 -> 289 us (its small
+# GEMM2 tiles lose more to 8 warps / 3 stages than the launch saves), and full batches of
+# Qwen3 T=256 +3.5% and DeepSeek-V3 T=2048 +4%.
 
 
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
-               cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, use_pdl: bool = False,
+               cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
+               max_tokens: int | None = None, use_pdl: bool = False,
                fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
     """GEMM1 over the dispatch layout: with `small` (the small-batch tiles) the kernel reads
     views.num_blocks[1] on the device and runs the small tiles over that layout when it is > 0,
-    else `cfg`'s tiles over views.num_blocks[0]. With fp8, x is ignored for its quantised rows in
-    fp8.views (w13 is the fp8 weights)."""
+    else `cfg`'s tiles over views.num_blocks[0]. Without `small`, `cfg`'s tiles over the layout
+    views.num_blocks[layout] counts, the grid covering the M-blocks `max_tokens` (default T) tokens
+    can produce. With fp8, x is ignored for its quantised rows in fp8.views (w13 is the fp8
+    weights)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     tiles: GemmTiles = cfg.gemm1
-    small_arg, grid, meta = _regimes(w13, hidden, inter, num_tokens, top_k, cfg, tiles, small,
+    rows = num_tokens if max_tokens is None else max_tokens
+    small_arg, grid, meta = _regimes(w13, hidden, inter, rows, top_k, cfg, tiles, small,
                                      small.gemm1 if small is not None else None)
     a = x if fp8 is None else fp8.views.x
     if fp8 is None:
@@ -583,7 +592,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
     _gemm1_kernel[(grid,)](
-        a, _weight_operand(w13, tiles), small_arg, views.sorted_slots, views.block_end, views.num_blocks,
+        a, _weight_operand(w13, tiles), small_arg, views.sorted_slots, views.block_end, views.num_blocks[layout:],
         a_scale, w_scale,
         views.intermediate,
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
@@ -596,13 +605,15 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
 
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
-               cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, use_pdl: bool = False,
+               cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
+               max_tokens: int | None = None, use_pdl: bool = False,
                fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
-    """GEMM2 over the dispatch layout, main or small tiles as in gemm1_into; with fp8 its A rows
-    are the quantised intermediate in fp8.views."""
+    """GEMM2 over the dispatch layout, main or small tiles (or one layout) as in gemm1_into; with
+    fp8 its A rows are the quantised intermediate in fp8.views."""
     num_experts, hidden, inter = w2.shape
     tiles: GemmTiles = cfg.gemm2
-    small_arg, grid, meta = _regimes(w2, inter, hidden, num_tokens, top_k, cfg, tiles, small,
+    rows = num_tokens if max_tokens is None else max_tokens
+    small_arg, grid, meta = _regimes(w2, inter, hidden, rows, top_k, cfg, tiles, small,
                                      small.gemm2 if small is not None else None)
     a = views.intermediate if fp8 is None else fp8.views.inter
     if fp8 is None:
@@ -614,7 +625,7 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
     _gemm2_kernel[(grid,)](
         a, _weight_operand(w2, tiles), small_arg, weights, views.sorted_slots, views.block_end,
-        views.num_blocks, a_scale, w_scale,
+        views.num_blocks[layout:], a_scale, w_scale,
         views.y,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
         NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype), **meta,
@@ -629,9 +640,8 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
     """The tiles for few valid rows (num_valid <= SMALL_BATCH_TOKENS) in a batch whose bucket is
     larger, when the batch's own tiles are of another regime (a larger BLOCK_M): a graph captured
     for 1024 rows then replays a decode step with decode tiles instead of prefill tiles. Between
-    two decode configs the switch stays off: when it cost two extra (empty) launches it cost ~2% at
-    T = 64 on the Qwen3 shape (H200, run 2); now it costs none (one launch holds both regimes), but
-    that case has not been re-measured."""
+    two decode configs the switch stays off: its two extra (empty) launches cost ~2% at T = 64 on
+    the Qwen3 shape (H200, run 2)."""
     if num_tokens <= SMALL_BATCH_TOKENS:
         return None
     small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
@@ -674,12 +684,13 @@ def experts_triton(
     Tiles: `config` (default: `safemoe.configs.get_config` for T) and, for T above
     SMALL_BATCH_TOKENS, `small_config` (default: the config of SMALL_BATCH_TOKENS tokens when it
     differs) used instead whenever num_valid <= SMALL_BATCH_TOKENS on the device: dispatch builds
-    the layout of the tiles that num_valid picks, and each GEMM is ONE launch holding both sets of
-    tiles that reads which layout is in use on the device (num_blocks[1] > 0: small) and loops over
-    its tiles; it runs with the main config's num_warps/num_stages either way. So results are a
-    deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS), and a row's bits do not depend
-    on what padding rows hold. Launches: dispatch (one, or count + scatter when T*K > 1024 slots),
-    GEMM1, GEMM2, combine: four or five.
+    the layout of the tiles that num_valid picks. Each GEMM is launched for both sets of tiles and
+    the launch of the unused layout returns at once, or, when `config.one_launch`, is ONE launch
+    holding both sets that reads which layout is in use on the device (num_blocks[1] > 0: small)
+    and runs with the main config's num_warps/num_stages either way. So results are a
+    deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS, one_launch), and a row's bits do
+    not depend on what padding rows hold. Launches: dispatch (one, or count + scatter when T*K >
+    1024 slots), GEMM1, GEMM2, combine: four or five, and two more with separate small tiles.
 
     batch_invariant: one configuration for every T and no small-batch switch, so a valid row's
     output is bitwise the same whatever T, num_valid and the other rows hold. The configuration is
@@ -738,8 +749,14 @@ def experts_triton(
                            use_pdl=use_pdl)
     dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small, use_pdl=use_pdl)
     rowwise = batch_invariant and interpreter_enabled()
-    gemm1_into(x, w13, views, top_k, activation, config, small=small_config, use_pdl=use_pdl, fp8=operands,
+    # The small-batch tiles in the GEMMs' own launch (config.one_launch) or in a second launch each.
+    merged = small_config if small_config is not None and config.one_launch else None
+    separate = small_config if merged is None else None
+    gemm1_into(x, w13, views, top_k, activation, config, small=merged, use_pdl=use_pdl, fp8=operands,
                rowwise=rowwise)
+    if separate is not None:
+        gemm1_into(x, w13, views, top_k, activation, separate, layout=1, max_tokens=small_tokens,
+                   use_pdl=use_pdl, fp8=operands)
     if operands is not None:
         positions = max_m_blocks(num_tokens, num_experts, top_k, config.block_m) * config.block_m
         small_block_m = 0
@@ -750,7 +767,10 @@ def experts_triton(
         quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
                                 operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
                                 small_block_m, positions, use_pdl=use_pdl)
-    gemm2_into(w2, weights, views, num_tokens, top_k, config, small=small_config, use_pdl=use_pdl,
+    gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, use_pdl=use_pdl,
                fp8=operands, rowwise=rowwise)
+    if separate is not None:
+        gemm2_into(w2, weights, views, num_tokens, top_k, separate, layout=1, max_tokens=small_tokens,
+                   use_pdl=use_pdl, fp8=operands)
     combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
     return out
