@@ -592,7 +592,8 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
     _gemm1_kernel[(grid,)](
-        a, _weight_operand(w13, tiles), small_arg, views.sorted_slots, views.block_end, views.num_blocks[layout:],
+        a, _weight_operand(w13, tiles), small_arg, views.sorted_slots, views.block_end,
+        views.num_blocks[layout:],
         a_scale, w_scale,
         views.intermediate,
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
