@@ -257,3 +257,17 @@ def load_script(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """step() once on a side stream (kernels compiled and the allocator warmed before capture, as
+    torch's CUDA-graph docs ask), then step() captured into a CUDA graph, which is returned."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

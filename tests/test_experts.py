@@ -25,6 +25,7 @@ from helpers import (
     assert_close,
     assert_equal,
     by_device,
+    capture_graph,
     case_id,
     garbage_ids,
     interpreter_only,
@@ -510,14 +511,7 @@ def test_graph_replay_with_num_valid_changed() -> None:
         out.copy_(safemoe.experts(x, w13, w2, routing, num_valid=nv, backend="triton", health=health,
                                   workspace=ws))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer()
+    graph = capture_graph(layer)
     for count in (num_tokens, 1, 0, 37, num_tokens - 1):
         nv.fill_(count)
         x[count:] = math.nan
@@ -670,14 +664,7 @@ def test_both_tile_regimes_in_one_graph_qwen3(one_launch: bool, record_property)
         _run(x, w13, w2, weights, ids, num_valid=NumValid(None, nv), workspace=ws, out=out, config=main,
              small_config=small)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     bitwise = {}
     for count in (1, num_tokens, 8, 9, 0, 3, SMALL_BATCH_TOKENS + 100):
         x.copy_(clean_x)

@@ -43,7 +43,16 @@ import triton
 import triton.language as tl
 
 import safemoe
-from helpers import STALE_ID, assert_equal, by_device, case_id, garbage_ids, interpreter_only, poisoned
+from helpers import (
+    STALE_ID,
+    assert_equal,
+    by_device,
+    capture_graph,
+    case_id,
+    garbage_ids,
+    interpreter_only,
+    poisoned,
+)
 from safemoe._checks import NumValid, check_fp8_weights, check_num_valid
 from safemoe.configs import ExpertsConfig, GemmTiles
 from safemoe.fp8 import _quantize_stack, dequantize_experts, quantize_experts
@@ -648,14 +657,7 @@ def test_graph_replay_with_num_valid_changed(mode: str) -> None:
     ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
     nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
     out = torch.empty_like(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out)
+    graph = capture_graph(lambda: _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out))
     eager_ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
     for valid in (96, 1, 0, 37, 95):
         nv.fill_(valid)
