@@ -568,37 +568,47 @@ def decide_one_launch(
     return choice, summary
 
 
-def run_one_launch(
-    name: str,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    configs: dict[int, ExpertsConfig],
-    log: list[dict[str, Any]],
-    deadline: float,
-    jobs: int,
-    compile_first: bool,
-    buckets: set[int] | None = None,
-) -> dict[int, tuple[bool, dict[str, dict[str, float]]]]:
-    """one_launch decided for each bucket of `configs` ({bucket: config}, "us" in its extra as a
-    timing estimate) that has small-batch tiles (`one_launch_plan`; only `buckets` when given),
-    timed at T = the bucket."""
+OneLaunchPlan = dict[int, tuple[ExpertsConfig, ExpertsConfig]]  # {bucket: (config, small config)}
+
+
+def one_launch_targets(
+    name: str, configs: dict[int, ExpertsConfig], device: torch.device, buckets: set[int] | None = None
+) -> OneLaunchPlan:
+    """The buckets of `configs` whose one_launch is timed (`one_launch_plan` with the device's
+    config for SMALL_BATCH_TOKENS tokens as the fallback small config; only `buckets` when given)."""
     from safemoe.configs import get_config
 
     num_experts, top_k, hidden, inter = SHAPES[name]
-    fallback = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, torch.bfloat16, w13.device)
-    plan = {
+    fallback = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+    return {
         bucket: (configs[bucket], small)
         for bucket, small in one_launch_plan(configs, fallback).items()
         if buckets is None or bucket in buckets
     }
-    if plan and compile_first:
-        started = time.time()
-        failures = precompile(one_launch_tasks(name, plan), jobs)
-        print(
-            f"  {name}: one_launch kernels of {len(plan)} buckets compiled in {time.time() - started:.0f} s"
-        )
-        for line in failures[:20]:
-            print("   ", line)
+
+
+def precompile_one_launch(plans: dict[str, OneLaunchPlan], jobs: int) -> None:
+    """Both one_launch variants of every planned bucket, compiled in parallel worker processes."""
+    tasks = [task for name, plan in plans.items() for task in one_launch_tasks(name, plan)]
+    if not tasks:
+        return
+    started = time.time()
+    failures = precompile(tasks, jobs)
+    print(f"one_launch kernels of {len(tasks)} buckets compiled in {time.time() - started:.0f} s")
+    for line in failures[:20]:
+        print("  ", line)
+
+
+def run_one_launch(
+    name: str,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    plan: OneLaunchPlan,
+    log: list[dict[str, Any]],
+    deadline: float,
+) -> dict[int, tuple[bool, dict[str, dict[str, float]]]]:
+    """one_launch decided for each bucket of `plan` (its config's extra "us", when there, sizes the
+    full-batch timing loops), timed at T = the bucket."""
     decided: dict[int, tuple[bool, dict[str, dict[str, float]]]] = {}
     for bucket, (cfg, small) in plan.items():
         case = Case(name, w13, w2, bucket)
@@ -656,13 +666,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.shapes.split(",") if n]
+    if args.one_launch_only:
+        return one_launch_only(args, names, start)
     defaults = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
     tokens_of = {
         n: tuple(int(t) for t in args.tokens.split(",")) if args.tokens else defaults[n] for n in names
     }
 
-    if args.one_launch_only:
-        return one_launch_only(args, names, start)
     tasks = compile_tasks(names, tokens_of)
     failures = [] if args.no_precompile else precompile(tasks, args.jobs)
     print(f"precompiled {len(tasks)} tasks in {time.time() - start:.0f} s; {len(failures)} configs failed")
@@ -704,9 +714,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"          breakdown (cumulative us): {parts}", flush=True)
             del case
         if not args.no_one_launch:
-            decided = run_one_launch(
-                name, w13, w2, tuned, log, deadline, args.jobs, compile_first=not args.no_precompile
-            )
+            plan = one_launch_targets(name, tuned, device)
+            if not args.no_precompile:
+                precompile_one_launch({name: plan}, args.jobs)
+            decided = run_one_launch(name, w13, w2, plan, log, deadline)
             for bucket, (choice, timings) in decided.items():
                 winners[key][str(bucket)].update(one_launch=choice, one_launch_us=timings)
         del w13, w2
@@ -744,21 +755,29 @@ def one_launch_only(args: argparse.Namespace, names: list[str], start: float) ->
     path = device_file(device_name)
     table = json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
     buckets = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
-    deadline = time.time() + args.budget_s
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
+    plans: dict[str, OneLaunchPlan] = {}
     for name in names:
         num_experts, top_k, hidden, inter = SHAPES[name]
         key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
         entries = table.get(key, {})
-        if not entries:
-            print(f"{name}: no entries for {key} in {path}")
-            continue
         configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
-        w13, w2 = make_weights(name, device)
-        decided = run_one_launch(
-            name, w13, w2, configs, log, deadline, args.jobs, not args.no_precompile, buckets
+        plans[name] = one_launch_targets(name, configs, device, buckets)
+        print(
+            f"{name}: {len(entries)} entries for {key} in {path}, one_launch timed at T = {list(plans[name])}"
         )
+    if not args.no_precompile:
+        precompile_one_launch(plans, args.jobs)
+    deadline = time.time() + args.budget_s
+    for name, plan in plans.items():
+        if not plan:
+            continue
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+        entries = table[key]
+        w13, w2 = make_weights(name, device)
+        decided = run_one_launch(name, w13, w2, plan, log, deadline)
         for bucket, (choice, timings) in decided.items():
             winners.setdefault(key, {})[str(bucket)] = {
                 **entries[str(bucket)],

@@ -4,6 +4,7 @@ machine, so a stale import there surfaced only on the device: 2026-11-24)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,82 @@ def test_case_step_passes_small_tiles_and_padded_num_valid(monkeypatch):
             out = case.outs[0].float()
             assert float((out[:rows] - ref).norm() / ref.norm()) < 2e-2, (merged, num_valid)
             assert bool((out[rows:] == 0).all()), (merged, num_valid)
+
+
+def _fake_gpu(monkeypatch, tmp_path, tune):
+    """main() on the CPU: a fake CUDA device "FakeGPU" (no device table, so get_config falls back
+    to the heuristic), a tiny shape, the device file under tmp_path, and Case.time returning fixed
+    times: merged pays at T=64 (padded 30 -> 25 us, full batch +0.5%), not at T=1024 (full +5%)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
+    monkeypatch.setitem(tune.SHAPES, "tiny", (4, 2, 64, 32))  # (E, K, H, I)
+    path = tmp_path / "FakeGPU.json"
+    monkeypatch.setattr(tune, "device_file", lambda name: path)
+    monkeypatch.setattr(
+        tune, "make_weights", lambda name, device: (torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
+    )
+    full = {64: (100.0, 100.5), 1024: (200.0, 210.0)}
+
+    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
+        assert small is not None and small.block_m < cfg.block_m
+        if num_valid == 1:
+            return 25.0 if cfg.one_launch else 30.0
+        return full[self.num_tokens][cfg.one_launch]
+
+    monkeypatch.setattr(tune.Case, "time", fake_time)
+    return path
+
+
+def _check_written(path, tune, key):
+    data = json.loads(path.read_text())
+    assert data["notes"] == "kept"
+    entries = data["configs"][key]
+    assert ExpertsConfig.from_json(entries["64"]).one_launch is True
+    assert ExpertsConfig.from_json(entries["1024"]).one_launch is False
+    assert entries["64"]["one_launch_us"] == {
+        "full_batch": {"two_launches": 100.0, "one_launch": 100.5},
+        "padded_decode": {"two_launches": 30.0, "one_launch": 25.0},
+    }
+    assert "one_launch_us" not in entries["8"], "no small-batch tiles at T <= SMALL_BATCH_TOKENS"
+    return data
+
+
+def test_main_one_launch_only_writes_decisions(monkeypatch, tmp_path):
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    entries = {"8": {**_cfg(16).to_json(), "us": 9.0}, "64": _cfg(32).to_json(), "1024": _cfg(64).to_json()}
+    path.write_text(
+        json.dumps({"device": "FakeGPU", "date": "old", "notes": "kept", "configs": {key: entries}})
+    )
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--shapes", "tiny", "--one-launch-only", "--no-precompile", "--write"]
+    assert tune.main(argv) == 0
+    data = _check_written(path, tune, key)
+    assert data["date"] == "old", "the table's tiles (and their run's metadata) are kept"
+    assert data["configs"][key]["8"] == entries["8"]
+    log = json.loads((out / "tune_log.json").read_text())["log"]
+    assert len(log) == 2 * 4 * tune.ONE_LAUNCH_ROUNDS and {e["T"] for e in log} == {64, 1024}
+    # --tokens picks buckets: only T=1024 re-decided, the T=64 entry as written before
+    path.write_text(json.dumps({"notes": "kept", "configs": {key: entries}}))
+    assert tune.main([*argv, "--tokens", "1000"]) == 0
+    written = json.loads(path.read_text())["configs"][key]
+    assert written["64"] == entries["64"] and "one_launch_us" in written["1024"]
+
+
+def test_main_tuning_decides_one_launch_after_the_tiles(monkeypatch, tmp_path):
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    path.write_text(json.dumps({"notes": "kept", "configs": {}}))
+    tiles = {8: _cfg(16), 64: _cfg(32), 1024: _cfg(64)}
+    monkeypatch.setattr(tune, "tune_case", lambda case, log, deadline: (tiles[case.num_tokens], 50.0))
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "tiny", "--tokens", "8,64,1024", "--no-precompile"]
+    assert tune.main([*argv, "--write"]) == 0
+    _check_written(path, tune, "E4_H64_I32_K2_bfloat16")
+    # --no-one-launch: winners keep one_launch off, nothing timed for it
+    assert tune.main([*argv, "--write", "--no-one-launch"]) == 0
+    entries = json.loads(path.read_text())["configs"]["E4_H64_I32_K2_bfloat16"]
+    assert not any(e["one_launch"] or "one_launch_us" in e for e in entries.values())
