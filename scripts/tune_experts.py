@@ -21,10 +21,11 @@ How it searches (per model shape and token bucket T):
 4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
-   timed with the small tiles in the GEMMs' own launch and in a second launch each, on a full
-   batch (num_valid = T) and on a padded decode step (num_valid = 1), ONE_LAUNCH_ROUNDS
-   interleaved rounds each, medians compared: `choose_one_launch` (merged only when the padded
-   step gets faster and the full batch does not get slower by more than ONE_LAUNCH_TOLERANCE).
+   timed at T = its bucket with the small tiles in the GEMMs' own launch and in a second launch
+   each, on a full batch (num_valid = T) and on a padded decode step (num_valid = 1),
+   ONE_LAUNCH_ROUNDS interleaved rounds each, medians compared: `choose_one_launch` (merged only
+   when the padded step gets faster and the full batch is not slower by more than
+   ONE_LAUNCH_TOLERANCE).
    --one-launch-only does this step alone for the entries already in the device table (tiles
    kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning.
 Results: OUT_DIR/tune_log.json (winners, with their times, `one_launch_us`, and every timing in
