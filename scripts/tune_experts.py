@@ -3,7 +3,8 @@
 Run from the repository root on a CUDA machine:
 
     PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR [--shapes qwen3,mixtral]
-        [--tokens 1,8,64] [--jobs 12] [--budget-s 240] [--write] [--breakdown]
+        [--tokens 1,8,64] [--jobs 12] [--budget-s 240] [--write] [--breakdown] [--no-one-launch]
+    PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR --one-launch-only [--write]
 
 How it searches (per model shape and token bucket T):
 1. Candidates: for each BLOCK_M that suits T's rows per expert, GEMM1 tiles with a base GEMM2, and
@@ -17,8 +18,19 @@ How it searches (per model shape and token bucket T):
    weights come from HBM, num_valid as a device tensor (as in a captured model).
    GEMM1 candidates are timed with the base GEMM2, then GEMM2 candidates with the best GEMM1, per
    BLOCK_M; the fastest overall wins. Programmatic dependent launch is tried on the winner.
-Results: OUT_DIR/tune_<device>.json (winners, with their times and every timing in `log`) and,
-with --write, merged into src/safemoe/configs/<device>.json.
+4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
+   small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
+   this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
+   timed at T = its bucket with the small tiles in the GEMMs' own launch and in a second launch
+   each, on a full batch (num_valid = T) and on a padded decode step (num_valid = 1),
+   ONE_LAUNCH_ROUNDS interleaved rounds each, medians compared: `choose_one_launch` (merged only
+   when the padded step gets faster and the full batch is not slower by more than
+   ONE_LAUNCH_TOLERANCE).
+   --one-launch-only does this step alone for the entries already in the device table (tiles
+   kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning.
+Results: OUT_DIR/tune_log.json (winners, with their times, `one_launch_us`, and every timing in
+`log`) and, with --write, merged into src/safemoe/configs/<device>.json (per bucket; other buckets,
+shapes and top-level keys such as "batch_invariant" and "notes" are kept).
 """
 
 from __future__ import annotations
@@ -27,8 +39,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from safemoe.configs import ExpertsConfig, GemmTiles, device_file, shape_key, token_bucket  # noqa: E402
+from safemoe.kernels.experts import SMALL_BATCH_TOKENS  # noqa: E402
 
 # (E, K, H, I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -62,6 +77,14 @@ QUICK_TOKENS = {
 }
 N_VARIANTS = 4
 PDL_MAX_TOKENS = 256  # PDL only matters where launch latency is a visible share
+# one_launch: the merged launch must not cost a full batch more than this. It is the noise of a
+# full-batch timing (one-round bench_compare on the H100, 2026-11-24: unchanged code within
+# +-1.3%), so only a real cost turns it down (there: Qwen3 T=256 +3.5%, DeepSeek-V3 T=2048 +4%),
+# while a padded decode step's ~5 us saving (~10% of Qwen3's) is well above it.
+ONE_LAUNCH_TOLERANCE = 0.01
+# Interleaved rounds of the four one_launch timings; each side's median is compared, so one slow
+# replay set cannot decide it.
+ONE_LAUNCH_ROUNDS = 3
 
 Tiles = tuple[int, int, int, int]  # (block_n, block_k, num_warps, num_stages)
 
@@ -144,13 +167,60 @@ def candidate_plan(num_tokens: int, num_experts: int, top_k: int) -> list[Expert
     return plan
 
 
+def choose_one_launch(
+    full_two: float,
+    full_one: float,
+    padded_two: float,
+    padded_one: float,
+    tolerance: float = ONE_LAUNCH_TOLERANCE,
+) -> bool:
+    """one_launch for a bucket from its four timings (us; `two`: small tiles in a second launch
+    per GEMM, `one`: merged): True only when the padded decode step (num_valid = 1) gets faster
+    and the full batch (num_valid = T) gets no slower than `tolerance` (a fraction)."""
+    return padded_one < padded_two and full_one <= full_two * (1.0 + tolerance)
+
+
+def one_launch_plan(
+    winners: dict[int, ExpertsConfig], fallback_small: ExpertsConfig
+) -> dict[int, ExpertsConfig]:
+    """{bucket: small config} for the buckets whose one_launch is worth timing: the same rule as
+    `safemoe.kernels.experts.small_batch_config` (T above SMALL_BATCH_TOKENS, small BLOCK_M below
+    the bucket's), with the small config taken from `winners` (this run's, or the table's) at
+    SMALL_BATCH_TOKENS' bucket, else `fallback_small` (what get_config picks for that many tokens
+    on the device: the table's nearest bucket or the heuristic)."""
+    small = winners.get(token_bucket(SMALL_BATCH_TOKENS), fallback_small)
+    return {
+        bucket: small
+        for bucket, cfg in sorted(winners.items())
+        if bucket > SMALL_BATCH_TOKENS and small.block_m < cfg.block_m
+    }
+
+
+def merge_device_json(existing: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """The device file after --write: payload's metadata, its config entries replacing the same
+    (shape, bucket) entries whole (one_launch included), every other entry and top-level key of
+    `existing` ("batch_invariant", "notes") kept."""
+    merged = {**existing, **{k: v for k, v in payload.items() if k != "configs"}}
+    configs = {key: dict(buckets) for key, buckets in existing.get("configs", {}).items()}
+    for key, buckets in payload["configs"].items():
+        configs.setdefault(key, {}).update(buckets)
+    merged["configs"] = {
+        key: dict(sorted(buckets.items(), key=lambda item: int(item[0]))) for key, buckets in configs.items()
+    }
+    return merged
+
+
 # ---------------------------------------------------------------------------------------------
 # Parallel compilation
 # ---------------------------------------------------------------------------------------------
 
 
-def _compile_task(task: tuple[str, int, list[dict[str, Any]]]) -> list[str]:
-    """Run the op once per config with num_valid = 0 (no weight is read) to fill Triton's cache."""
+CompileTask = tuple[str, int, list[tuple[dict[str, Any], dict[str, Any] | None]]]
+
+
+def _compile_task(task: CompileTask) -> list[str]:
+    """Run the op once per (config, small config or None) with num_valid = 0 (no weight is read)
+    to fill Triton's cache."""
     name, num_tokens, configs = task
     from safemoe._checks import NumValid
     from safemoe.kernels.experts import experts_triton
@@ -170,8 +240,9 @@ def _compile_task(task: tuple[str, int, list[dict[str, Any]]]) -> list[str]:
     nv = NumValid(None, torch.zeros((), dtype=torch.int32, device=device))
     ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, dtype, device)
     failures = []
-    for data in configs:
+    for data, small_data in configs:
         cfg = ExpertsConfig.from_json(data)
+        small = None if small_data is None else ExpertsConfig.from_json(small_data)
         try:
             experts_triton(
                 x,
@@ -184,6 +255,7 @@ def _compile_task(task: tuple[str, int, list[dict[str, Any]]]) -> list[str]:
                 health=None,
                 workspace=ws,
                 config=cfg,
+                small_config=small,
             )
             torch.cuda.synchronize()
         except Exception as exc:  # out of shared memory, unsupported layout...
@@ -193,27 +265,38 @@ def _compile_task(task: tuple[str, int, list[dict[str, Any]]]) -> list[str]:
     return failures
 
 
-def compile_tasks(
-    names: list[str], tokens_of: dict[str, tuple[int, ...]]
-) -> list[tuple[str, int, list[dict]]]:
+def compile_tasks(names: list[str], tokens_of: dict[str, tuple[int, ...]]) -> list[CompileTask]:
     """Each distinct config once (at the first T that times it), 3 configs a task."""
     tasks = []
     for name in names:
         num_experts, top_k, _, _ = SHAPES[name]
         seen: set[str] = set()
         for num_tokens in tokens_of[name]:
-            fresh = []
+            fresh: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
             for cfg in candidate_plan(num_tokens, num_experts, top_k):
                 key = json.dumps(cfg.to_json(), sort_keys=True)
                 if key not in seen:
                     seen.add(key)
-                    fresh.append(cfg.to_json())
+                    fresh.append((cfg.to_json(), None))
             for i in range(0, len(fresh), 3):
                 tasks.append((name, num_tokens, fresh[i : i + 3]))
     return tasks
 
 
-def precompile(tasks: list[tuple[str, int, list[dict[str, Any]]]], jobs: int) -> list[str]:
+def one_launch_tasks(name: str, plan: dict[int, tuple[ExpertsConfig, ExpertsConfig]]) -> list[CompileTask]:
+    """Both one_launch variants of each planned bucket ({bucket: (winner, small config)}), one
+    bucket a task: the merged kernels are new; the separate small-tile kernels mostly cached."""
+    return [
+        (
+            name,
+            bucket,
+            [(replace(cfg, one_launch=merged).to_json(), small.to_json()) for merged in (False, True)],
+        )
+        for bucket, (cfg, small) in plan.items()
+    ]
+
+
+def precompile(tasks: list[CompileTask], jobs: int) -> list[str]:
     if not tasks:
         return []
     ctx = mp.get_context("spawn")
@@ -250,21 +333,31 @@ class Case:
             self.ids.append(torch.topk(scores, top_k, dim=1).indices.to(torch.int32))
             self.weights.append(torch.rand(num_tokens, top_k, device=device, generator=gen))
         self.outs = [torch.empty_like(x) for x in self.xs]
-        self.nv = NumValid(None, torch.tensor(num_tokens, dtype=torch.int32, device=device))
+        # num_valid as a device tensor: T (a full batch), or 1 (a padded decode step, same graph)
+        self.nvs = {
+            n: NumValid(None, torch.tensor(n, dtype=torch.int32, device=device)) for n in {num_tokens, 1}
+        }
+        self.nv = self.nvs[num_tokens]
         self.ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
-        # A rough time per call (3 TB/s for the weights touched, 400 TFLOP/s) to size the timing loops.
-        touched = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
-        self.est_us = max(
-            touched * 3 * hidden * inter * 2 / 3e12, 6 * num_tokens * top_k * hidden * inter / 4e14
-        )
-        self.est_us = self.est_us * 1e6 + 10
+        self.est_us = estimate_us(name, num_tokens)
 
-    def step(self, cfg: ExpertsConfig, stages: str = "all"):
+    def step(
+        self,
+        cfg: ExpertsConfig,
+        stages: str = "all",
+        small: ExpertsConfig | None = None,
+        num_valid: int | None = None,
+    ) -> Callable[[int], None]:
+        """One call on input set j: `stages` "all" is experts_triton with `cfg` (and `small` as its
+        small-batch tiles, None: none) at num_valid T or `num_valid`; else the stages up to and
+        including that one (dispatch, gemm1, gemm2), main tiles only."""
         from safemoe.kernels.combine import combine_into
         from safemoe.kernels.dispatch import dispatch_into
         from safemoe.kernels.experts import experts_triton, gemm1_into, gemm2_into
 
         num_experts, top_k, hidden, inter = SHAPES[self.name]
+
+        nv = self.nvs[self.num_tokens if num_valid is None else num_valid]
 
         def run(j: int) -> None:
             if stages == "all":
@@ -275,11 +368,12 @@ class Case:
                     self.weights[j],
                     self.ids[j],
                     activation="silu",
-                    num_valid=self.nv,
+                    num_valid=nv,
                     health=None,
                     workspace=self.ws,
                     out=self.outs[j],
                     config=cfg,
+                    small_config=small,
                 )
                 return
             views = self.ws.views(self.num_tokens, num_experts, top_k, hidden, inter)
@@ -309,15 +403,35 @@ class Case:
             return float("inf")
         return float((out - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
-    def time(self, cfg: ExpertsConfig, stages: str = "all", est_us: float | None = None) -> float:
+    def time(
+        self,
+        cfg: ExpertsConfig,
+        stages: str = "all",
+        est_us: float | None = None,
+        small: ExpertsConfig | None = None,
+        num_valid: int | None = None,
+    ) -> float:
         from safemoe.bench.harness import time_graph
 
         est = est_us or self.est_us
         calls = int(min(20, max(2, 20000 / est)))
         replays = int(min(20, max(3, 300000 / (est * calls))))
         return time_graph(
-            self.step(cfg, stages), n_variants=N_VARIANTS, calls_per_graph=calls, replays=replays, warmup=2
+            self.step(cfg, stages, small, num_valid),
+            n_variants=N_VARIANTS,
+            calls_per_graph=calls,
+            replays=replays,
+            warmup=2,
         )
+
+
+def estimate_us(name: str, num_tokens: int) -> float:
+    """A rough time per call (3 TB/s for the weights touched, 400 TFLOP/s, +10 us) to size the
+    timing loops."""
+    num_experts, top_k, hidden, inter = SHAPES[name]
+    touched = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+    seconds = max(touched * 3 * hidden * inter * 2 / 3e12, 6 * num_tokens * top_k * hidden * inter / 4e14)
+    return seconds * 1e6 + 10
 
 
 def make_weights(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,7 +503,13 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
 
 
 def _timed(
-    case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]], sweep: str, est: float | None
+    case: Case,
+    cfg: ExpertsConfig,
+    log: list[dict[str, Any]],
+    sweep: str,
+    est: float | None,
+    small: ExpertsConfig | None = None,
+    num_valid: int | None = None,
 ) -> float | None:
     entry: dict[str, Any] = {
         "shape": case.name,
@@ -397,13 +517,118 @@ def _timed(
         "sweep": sweep,
         "config": cfg.to_json(),
     }
+    if small is not None:
+        entry["small"] = small.to_json()
+    if num_valid is not None:
+        entry["num_valid"] = num_valid
     try:
-        entry["us"] = round(case.time(cfg, est_us=est), 3)
+        entry["us"] = round(case.time(cfg, est_us=est, small=small, num_valid=num_valid), 3)
     except Exception as exc:
         entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         torch.cuda.synchronize()
     log.append(entry)
     return entry.get("us")
+
+
+def decide_one_launch(
+    case: Case,
+    cfg: ExpertsConfig,
+    small: ExpertsConfig,
+    log: list[dict[str, Any]],
+    deadline: float,
+) -> tuple[bool, dict[str, dict[str, float]]] | None:
+    """(one_launch, median us of each side) for `cfg` at case's T with `small` as its small-batch
+    tiles: ONE_LAUNCH_ROUNDS interleaved rounds of a full batch and a padded decode step (1 valid
+    row of T, the same graph), each with the small tiles in a second launch and merged. None when
+    the budget runs out or a timing fails (the caller then leaves one_launch off)."""
+    batches = (("full_batch", None, cfg.extra.get("us")), ("padded_decode", 1, estimate_us(case.name, 1)))
+    times: dict[tuple[str, bool], list[float]] = {}
+    for _ in range(ONE_LAUNCH_ROUNDS):
+        for batch, num_valid, est in batches:
+            for merged in (False, True):
+                if time.time() > deadline:
+                    return None
+                variant = replace(cfg, one_launch=merged)
+                us = _timed(
+                    case, variant, log, "one_launch", est, small=small, num_valid=num_valid or case.num_tokens
+                )
+                if us is None:
+                    return None
+                times.setdefault((batch, merged), []).append(us)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    choice = choose_one_launch(
+        med["full_batch", False],
+        med["full_batch", True],
+        med["padded_decode", False],
+        med["padded_decode", True],
+    )
+    summary = {
+        batch: {"two_launches": round(med[batch, False], 2), "one_launch": round(med[batch, True], 2)}
+        for batch, _, _ in batches
+    }
+    return choice, summary
+
+
+OneLaunchPlan = dict[int, tuple[ExpertsConfig, ExpertsConfig]]  # {bucket: (config, small config)}
+
+
+def one_launch_targets(
+    name: str, configs: dict[int, ExpertsConfig], device: torch.device, buckets: set[int] | None = None
+) -> OneLaunchPlan:
+    """The buckets of `configs` whose one_launch is timed (`one_launch_plan` with the device's
+    config for SMALL_BATCH_TOKENS tokens as the fallback small config; only `buckets` when given)."""
+    from safemoe.configs import get_config
+
+    num_experts, top_k, hidden, inter = SHAPES[name]
+    fallback = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+    return {
+        bucket: (configs[bucket], small)
+        for bucket, small in one_launch_plan(configs, fallback).items()
+        if buckets is None or bucket in buckets
+    }
+
+
+def precompile_one_launch(plans: dict[str, OneLaunchPlan], jobs: int) -> None:
+    """Both one_launch variants of every planned bucket, compiled in parallel worker processes."""
+    tasks = [task for name, plan in plans.items() for task in one_launch_tasks(name, plan)]
+    if not tasks:
+        return
+    started = time.time()
+    failures = precompile(tasks, jobs)
+    print(f"one_launch kernels of {len(tasks)} buckets compiled in {time.time() - started:.0f} s")
+    for line in failures[:20]:
+        print("  ", line)
+
+
+def run_one_launch(
+    name: str,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    plan: OneLaunchPlan,
+    log: list[dict[str, Any]],
+    deadline: float,
+) -> dict[int, tuple[bool, dict[str, dict[str, float]]]]:
+    """one_launch decided for each bucket of `plan` (its config's extra "us", when there, sizes the
+    full-batch timing loops), timed at T = the bucket."""
+    decided: dict[int, tuple[bool, dict[str, dict[str, float]]]] = {}
+    for bucket, (cfg, small) in plan.items():
+        case = Case(name, w13, w2, bucket)
+        result = decide_one_launch(case, cfg, small, log, deadline)
+        del case
+        if result is None:
+            print(f"  {name} T={bucket}: one_launch not measured (budget spent or a timing failed): left off")
+            continue
+        decided[bucket] = result
+        choice, timings = result
+        full, padded = timings["full_batch"], timings["padded_decode"]
+        print(
+            f"  {name} T={bucket}: one_launch={choice}  padded decode "
+            f"{padded['two_launches']:.1f} -> {padded['one_launch']:.1f} us, full batch "
+            f"{full['two_launches']:.1f} -> {full['one_launch']:.1f} us "
+            f"({full['one_launch'] / full['two_launches'] - 1:+.1%})",
+            flush=True,
+        )
+    return decided
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,13 +650,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-precompile", action="store_true")
     parser.add_argument("--precompile-only", action="store_true", help="fill Triton's cache, time nothing")
     parser.add_argument("--quick", action="store_true", help="fewer token counts per shape")
+    parser.add_argument(
+        "--no-one-launch", action="store_true", help="do not time one_launch (winners get one_launch off)"
+    )
+    parser.add_argument(
+        "--one-launch-only",
+        action="store_true",
+        help="re-decide one_launch of the device table's entries (--tokens: those buckets), tiles kept",
+    )
     args = parser.parse_args(argv)
+    if args.one_launch_only and args.no_one_launch:
+        parser.error("--one-launch-only and --no-one-launch exclude each other")
     if not torch.cuda.is_available():
         print("tune_experts needs a CUDA GPU")
         return 0
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.shapes.split(",") if n]
+    if args.one_launch_only:
+        return one_launch_only(args, names, start)
     defaults = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
     tokens_of = {
         n: tuple(int(t) for t in args.tokens.split(",")) if args.tokens else defaults[n] for n in names
@@ -455,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         num_experts, top_k, hidden, inter = SHAPES[name]
         key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
         w13, w2 = make_weights(name, device)
+        tuned: dict[int, ExpertsConfig] = {}
         for num_tokens in tokens_of[name]:
             if time.time() > deadline:
                 print(f"budget spent: {name} T={num_tokens} and later not tuned")
@@ -467,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             data = cfg.to_json()
             data["us"] = round(us, 2)
             winners.setdefault(key, {})[str(token_bucket(num_tokens))] = data
+            tuned[token_bucket(num_tokens)] = replace(cfg, extra={"us": us})
             print(f"{name:9s} T={num_tokens:6d} {us:10.1f} us  {json.dumps(cfg.to_json())}", flush=True)
             if args.breakdown and num_tokens in (1, 64, 1024, 8192):
                 parts = {
@@ -475,34 +714,109 @@ def main(argv: list[str] | None = None) -> int:
                 breakdown.append({"shape": name, "T": num_tokens, **parts})
                 print(f"          breakdown (cumulative us): {parts}", flush=True)
             del case
+        if not args.no_one_launch:
+            plan = one_launch_targets(name, tuned, device)
+            if not args.no_precompile:
+                precompile_one_launch({name: plan}, args.jobs)
+            decided = run_one_launch(name, w13, w2, plan, log, deadline)
+            for bucket, (choice, timings) in decided.items():
+                winners[key][str(bucket)].update(one_launch=choice, one_launch_us=timings)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+    import triton
+
+    method = (
+        "scripts/tune_experts.py: whole experts_triton call under CUDA-graph replay, 4 rotating "
+        "uniform routing sets, bf16, num_valid as a device tensor"
+    )
+    if not args.no_one_launch:
+        method += (
+            f"; one_launch per bucket with small-batch tiles from a full batch and a padded decode step "
+            f"(num_valid = 1), medians of {ONE_LAUNCH_ROUNDS} rounds (one_launch_us)"
+        )
+    payload = {
+        "device": device_name,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "method": method,
+        "configs": winners,
+    }
+    _write_results(args, device_name, payload, {"breakdown": breakdown, "log": log})
+    print(f"tuned {len(log)} timings in {time.time() - start:.0f} s")
+    return 0
+
+
+def one_launch_only(args: argparse.Namespace, names: list[str], start: float) -> int:
+    """--one-launch-only: one_launch re-decided for the device table's entries of `names`, their
+    tiles and every other field kept (the device file's metadata too: its tiles are that run's)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    device_name = torch.cuda.get_device_name(device)
+    path = device_file(device_name)
+    table = json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
+    buckets = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
+    log: list[dict[str, Any]] = []
+    winners: dict[str, dict[str, Any]] = {}
+    plans: dict[str, OneLaunchPlan] = {}
+    for name in names:
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+        entries = table.get(key, {})
+        configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
+        plans[name] = one_launch_targets(name, configs, device, buckets)
+        print(
+            f"{name}: {len(entries)} entries for {key} in {path}, one_launch timed at T = {list(plans[name])}"
+        )
+    if not args.no_precompile:
+        precompile_one_launch(plans, args.jobs)
+    deadline = time.time() + args.budget_s
+    for name, plan in plans.items():
+        if not plan:
+            continue
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+        entries = table[key]
+        w13, w2 = make_weights(name, device)
+        decided = run_one_launch(name, w13, w2, plan, log, deadline)
+        for bucket, (choice, timings) in decided.items():
+            winners.setdefault(key, {})[str(bucket)] = {
+                **entries[str(bucket)],
+                "one_launch": choice,
+                "one_launch_us": timings,
+            }
         del w13, w2
         torch.cuda.empty_cache()
 
     import triton
 
     payload = {
-        "device": device_name,
-        "triton": triton.__version__,
-        "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "method": "scripts/tune_experts.py: whole experts_triton call under CUDA-graph replay, 4 rotating "
-        "uniform routing sets, bf16, num_valid as a device tensor",
+        "one_launch_run": {
+            "device": device_name,
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "method": f"scripts/tune_experts.py --one-launch-only: the table's tiles, one_launch from a full "
+            f"batch and a padded decode step (num_valid = 1) under CUDA-graph replay, medians of "
+            f"{ONE_LAUNCH_ROUNDS} rounds (one_launch_us)",
+        },
         "configs": winners,
     }
-    (args.out / "tune_log.json").write_text(
-        json.dumps({**payload, "breakdown": breakdown, "log": log}, indent=1) + "\n"
-    )
+    _write_results(args, device_name, payload, {"log": log})
+    print(f"{len(log)} one_launch timings in {time.time() - start:.0f} s")
+    return 0
+
+
+def _write_results(
+    args: argparse.Namespace, device_name: str, payload: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """OUT_DIR/tune_log.json (payload plus `extra`), and with --write the merged device file."""
+    (args.out / "tune_log.json").write_text(json.dumps({**payload, **extra}, indent=1) + "\n")
     if args.write:
         path = device_file(device_name)
         existing = json.loads(path.read_text()) if path.exists() else {"configs": {}}
-        merged = existing.get("configs", {})
-        for key, buckets in winners.items():
-            merged.setdefault(key, {}).update(buckets)
-        payload["configs"] = merged
-        path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+        path.write_text(json.dumps(merge_device_json(existing, payload), indent=1, sort_keys=False) + "\n")
         print(f"wrote {path}")
-    print(f"tuned {len(log)} timings in {time.time() - start:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ machine, so a stale import there surfaced only on the device: 2026-11-24)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
-from safemoe.configs import BLOCK_M_CHOICES, ExpertsConfig
+import pytest
+
+from safemoe.configs import BLOCK_M_CHOICES, ExpertsConfig, GemmTiles
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tune_experts.py"
 
@@ -27,3 +30,259 @@ def test_candidate_plans_cover_every_shape_and_bucket():
             assert plan, (name, num_tokens)
             assert all(isinstance(c, ExpertsConfig) and c.block_m in BLOCK_M_CHOICES for c in plan)
             assert {c.gemm1.tma for c in plan} == {False, True}, f"{name} T={num_tokens}: TMA not searched"
+
+
+# --- one_launch (issue 13): the decision rule, which buckets get timed, and --write's merge ------
+
+
+def test_choose_one_launch_rule_and_tolerance():
+    tune = _load()
+    assert tune.ONE_LAUNCH_TOLERANCE == 0.01
+    # H100, 2026-11-24 (bench_compare): Qwen3 T=1024 padded 51.3 -> 46.9 us, full batch unchanged
+    assert tune.choose_one_launch(620.0, 621.0, 51.3, 46.9)
+    # DeepSeek-V3 T=1024: the padded step got slower (273 -> 289 us)
+    assert not tune.choose_one_launch(1000.0, 1000.0, 273.0, 289.0)
+    assert not tune.choose_one_launch(100.0, 100.0, 50.0, 50.0), "no gain on the padded step"
+    # full batch: up to the tolerance is accepted, beyond it refused however much the padded step gains
+    assert tune.choose_one_launch(100.0, 100.9, 50.0, 40.0)
+    assert tune.choose_one_launch(100.0, 101.0, 50.0, 40.0)
+    assert not tune.choose_one_launch(100.0, 101.1, 50.0, 40.0)
+    assert not tune.choose_one_launch(434.9, 450.1, 50.0, 40.0), "Qwen3 T=256's +3.5%"
+    assert tune.choose_one_launch(100.0, 103.0, 50.0, 40.0, tolerance=0.05)
+    assert not tune.choose_one_launch(100.0, 100.5, 50.0, 40.0, tolerance=0.0)
+
+
+def _cfg(block_m: int, **kw) -> ExpertsConfig:
+    return ExpertsConfig(block_m, GemmTiles(32, 64), GemmTiles(64, 64), **kw)
+
+
+def test_one_launch_plan_picks_buckets_with_small_tiles():
+    tune = _load()
+    small = _cfg(16, pdl=True)
+    fallback = _cfg(16)
+    # block_m per bucket as in the H100 table's Qwen3 entries (T=4 given a large BLOCK_M on purpose:
+    # at or below SMALL_BATCH_TOKENS there is no small-batch switch)
+    winners = {1: _cfg(16), 4: _cfg(32), 8: small, 16: _cfg(16)}
+    winners.update({256: _cfg(32), 1024: _cfg(64), 8192: _cfg(128)})
+    plan = tune.one_launch_plan(winners, fallback)
+    assert list(plan) == [256, 1024, 8192]
+    assert all(s is small for s in plan.values()), "the run's own small-batch winner is the small config"
+    # without a winner at SMALL_BATCH_TOKENS' bucket, the device's config for that many tokens
+    del winners[8]
+    plan = tune.one_launch_plan(winners, _cfg(32))
+    assert list(plan) == [1024, 8192] and all(s.block_m == 32 for s in plan.values())
+    assert tune.one_launch_plan({}, fallback) == {}
+
+
+def test_one_launch_plan_follows_small_batch_config():
+    """The plan times exactly the buckets where experts_triton switches tiles (small_batch_config
+    on the CPU device, whose small config is interpreter_config's for SMALL_BATCH_TOKENS tokens)."""
+    import torch
+
+    from safemoe.configs import interpreter_config
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS, small_batch_config
+
+    tune = _load()
+    num_experts, top_k, hidden, inter = tune.SHAPES["qwen3"]
+    fallback = interpreter_config(SMALL_BATCH_TOKENS, num_experts, top_k)
+    cpu = torch.device("cpu")
+    for bucket in (1, 4, 8, 16, 64, 1024):
+        for block_m in BLOCK_M_CHOICES:
+            cfg = _cfg(block_m)
+            expected = small_batch_config(bucket, num_experts, hidden, inter, top_k, torch.bfloat16, cpu, cfg)
+            plan = tune.one_launch_plan({bucket: cfg}, fallback)
+            assert plan.get(bucket) == expected, (bucket, block_m)
+
+
+def test_one_launch_tasks_compile_both_variants():
+    tune = _load()
+    small, cfg = _cfg(16), _cfg(64, one_launch=True)
+    tasks = tune.one_launch_tasks("qwen3", {1024: (cfg, small)})
+    assert len(tasks) == 1
+    name, bucket, pairs = tasks[0]
+    assert (name, bucket) == ("qwen3", 1024)
+    assert [ExpertsConfig.from_json(c).one_launch for c, _ in pairs] == [False, True]
+    assert all(ExpertsConfig.from_json(s) == small for _, s in pairs)
+    tile_tasks = tune.compile_tasks(["qwen3"], {"qwen3": (1, 256)})
+    assert tile_tasks and all(s is None for _, _, items in tile_tasks for _, s in items)
+
+
+class _FakeCase:
+    """Stands in for tune_experts.Case: fixed times per (one_launch, num_valid), one slow outlier."""
+
+    name, num_tokens = "qwen3", 1024
+
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def time(self, cfg, est_us=None, small=None, num_valid=None):
+        self.calls.append((cfg.one_launch, num_valid, small))
+        us = self.times[cfg.one_launch, num_valid]
+        return us * 3 if len(self.calls) == 2 else us  # round 1's merged full batch: an outlier
+
+
+def test_decide_one_launch_times_both_batches_interleaved_and_logs_them():
+    tune = _load()
+    cfg, small = _cfg(64, extra={"us": 620.0}), _cfg(16)
+    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 622.0, (False, 1): 51.3, (True, 1): 46.9})
+    log: list = []
+    choice, summary = tune.decide_one_launch(case, cfg, small, log, deadline=float("inf"))
+    assert choice is True, "the outlier must not decide it (medians of the rounds)"
+    assert summary == {
+        "full_batch": {"two_launches": 620.0, "one_launch": 622.0},
+        "padded_decode": {"two_launches": 51.3, "one_launch": 46.9},
+    }
+    rounds = tune.ONE_LAUNCH_ROUNDS
+    assert [c[:2] for c in case.calls] == [(False, 1024), (True, 1024), (False, 1), (True, 1)] * rounds
+    assert all(c[2] is small for c in case.calls)
+    assert len(log) == 4 * rounds
+    assert {(e["sweep"], e["config"]["one_launch"], e["num_valid"]) for e in log} == {
+        ("one_launch", merged, nv) for merged in (False, True) for nv in (1024, 1)
+    }
+    assert all(e["small"] == small.to_json() and "us" in e for e in log)
+    # a full batch that gets 2% slower keeps two launches
+    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 633.0, (False, 1): 51.3, (True, 1): 46.9})
+    assert tune.decide_one_launch(case, cfg, small, [], deadline=float("inf"))[0] is False
+    # out of budget: nothing decided
+    assert tune.decide_one_launch(case, cfg, small, [], deadline=0.0) is None
+
+
+def test_write_merge_keeps_one_launch_and_other_keys():
+    tune = _load()
+    key = "E128_H2048_I768_K8_bfloat16"
+    old_1024 = {**_cfg(64, one_launch=True).to_json(), "us": 60.0}
+    existing = {
+        "device": "GPU",
+        "date": "old",
+        "notes": "kept",
+        "batch_invariant": {key: _cfg(32).to_json()},
+        "configs": {key: {"8": _cfg(16).to_json(), "1024": old_1024}, "other": {"1": _cfg(16).to_json()}},
+    }
+    new_256 = {**_cfg(32, one_launch=True).to_json(), "us": 400.0, "one_launch_us": {"padded_decode": {}}}
+    new_1024 = {**_cfg(128).to_json(), "us": 58.0}
+    payload = {"device": "GPU", "date": "new", "configs": {key: {"1024": new_1024, "256": new_256}}}
+    merged = tune.merge_device_json(existing, payload)
+    assert merged["date"] == "new" and merged["notes"] == "kept"
+    assert merged["batch_invariant"] == existing["batch_invariant"]
+    assert list(merged["configs"][key]) == ["8", "256", "1024"], "buckets in numeric order"
+    assert merged["configs"]["other"] == existing["configs"]["other"]
+    loaded = {b: ExpertsConfig.from_json(d) for b, d in merged["configs"][key].items()}
+    assert loaded["256"].one_launch is True
+    assert not loaded["1024"].one_launch and loaded["1024"].block_m == 128, "replaced whole"
+    assert existing["configs"][key]["1024"] is old_1024, "existing is not modified"
+    # one_launch survives the to_json/from_json round trip
+    for flag in (False, True):
+        assert ExpertsConfig.from_json(_cfg(64, one_launch=flag).to_json()).one_launch is flag
+
+
+def test_one_launch_flags_exclude_each_other(tmp_path):
+    tune = _load()
+    with pytest.raises(SystemExit):
+        tune.main(["--out", str(tmp_path), "--one-launch-only", "--no-one-launch"])
+
+
+def test_case_step_passes_small_tiles_and_padded_num_valid(monkeypatch):
+    """Case.step (what the one_launch timings replay) on a tiny shape in the interpreter: both
+    launch modes, a full batch and 1 valid row, match the reference; padding rows are zeros."""
+    import torch
+
+    from safemoe.reference import experts_reference
+
+    tune = _load()
+    monkeypatch.setitem(tune.SHAPES, "tiny", (4, 2, 64, 32))  # (E, K, H, I)
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(4, 64, 64, generator=gen) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(4, 64, 32, generator=gen) * 0.1).to(torch.bfloat16)
+    case = tune.Case("tiny", w13, w2, 40)
+    small = ExpertsConfig(16, GemmTiles(32, 32, 1, 4, 1), GemmTiles(32, 32, 1, 4, 1))
+    cfg = ExpertsConfig(32, GemmTiles(32, 32, 4, 4, 1), GemmTiles(32, 32, 4, 4, 1))
+    for merged in (False, True):
+        for num_valid in (None, 1):
+            rows = case.num_tokens if num_valid is None else num_valid
+            case.outs[0].fill_(float("nan"))
+            case.step(tune.replace(cfg, one_launch=merged), "all", small, num_valid)(0)
+            ref = experts_reference(
+                case.xs[0][:rows], w13, w2, case.weights[0][:rows], case.ids[0][:rows], activation="silu"
+            ).float()
+            out = case.outs[0].float()
+            assert float((out[:rows] - ref).norm() / ref.norm()) < 2e-2, (merged, num_valid)
+            assert bool((out[rows:] == 0).all()), (merged, num_valid)
+
+
+def _fake_gpu(monkeypatch, tmp_path, tune):
+    """main() on the CPU: a fake CUDA device "FakeGPU" (no device table, so get_config falls back
+    to the heuristic), a tiny shape, the device file under tmp_path, and Case.time returning fixed
+    times: merged pays at T=64 (padded 30 -> 25 us, full batch +0.5%), not at T=1024 (full +5%)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
+    monkeypatch.setitem(tune.SHAPES, "tiny", (4, 2, 64, 32))  # (E, K, H, I)
+    path = tmp_path / "FakeGPU.json"
+    monkeypatch.setattr(tune, "device_file", lambda name: path)
+    monkeypatch.setattr(
+        tune, "make_weights", lambda name, device: (torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
+    )
+    full = {64: (100.0, 100.5), 1024: (200.0, 210.0)}
+
+    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
+        assert small is not None and small.block_m < cfg.block_m
+        if num_valid == 1:
+            return 25.0 if cfg.one_launch else 30.0
+        return full[self.num_tokens][cfg.one_launch]
+
+    monkeypatch.setattr(tune.Case, "time", fake_time)
+    return path
+
+
+def _check_written(path, tune, key):
+    data = json.loads(path.read_text())
+    assert data["notes"] == "kept"
+    entries = data["configs"][key]
+    assert ExpertsConfig.from_json(entries["64"]).one_launch is True
+    assert ExpertsConfig.from_json(entries["1024"]).one_launch is False
+    assert entries["64"]["one_launch_us"] == {
+        "full_batch": {"two_launches": 100.0, "one_launch": 100.5},
+        "padded_decode": {"two_launches": 30.0, "one_launch": 25.0},
+    }
+    assert "one_launch_us" not in entries["8"], "no small-batch tiles at T <= SMALL_BATCH_TOKENS"
+    return data
+
+
+def test_main_one_launch_only_writes_decisions(monkeypatch, tmp_path):
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    entries = {"8": {**_cfg(16).to_json(), "us": 9.0}, "64": _cfg(32).to_json(), "1024": _cfg(64).to_json()}
+    path.write_text(
+        json.dumps({"device": "FakeGPU", "date": "old", "notes": "kept", "configs": {key: entries}})
+    )
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--shapes", "tiny", "--one-launch-only", "--no-precompile", "--write"]
+    assert tune.main(argv) == 0
+    data = _check_written(path, tune, key)
+    assert data["date"] == "old", "the table's tiles (and their run's metadata) are kept"
+    assert data["configs"][key]["8"] == entries["8"]
+    log = json.loads((out / "tune_log.json").read_text())["log"]
+    assert len(log) == 2 * 4 * tune.ONE_LAUNCH_ROUNDS and {e["T"] for e in log} == {64, 1024}
+    # --tokens picks buckets: only T=1024 re-decided, the T=64 entry as written before
+    path.write_text(json.dumps({"notes": "kept", "configs": {key: entries}}))
+    assert tune.main([*argv, "--tokens", "1000"]) == 0
+    written = json.loads(path.read_text())["configs"][key]
+    assert written["64"] == entries["64"] and "one_launch_us" in written["1024"]
+
+
+def test_main_tuning_decides_one_launch_after_the_tiles(monkeypatch, tmp_path):
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    path.write_text(json.dumps({"notes": "kept", "configs": {}}))
+    tiles = {8: _cfg(16), 64: _cfg(32), 1024: _cfg(64)}
+    monkeypatch.setattr(tune, "tune_case", lambda case, log, deadline: (tiles[case.num_tokens], 50.0))
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "tiny", "--tokens", "8,64,1024", "--no-precompile"]
+    assert tune.main([*argv, "--write"]) == 0
+    _check_written(path, tune, "E4_H64_I32_K2_bfloat16")
+    # --no-one-launch: winners keep one_launch off, nothing timed for it
+    assert tune.main([*argv, "--write", "--no-one-launch"]) == 0
+    entries = json.loads(path.read_text())["configs"]["E4_H64_I32_K2_bfloat16"]
+    assert not any(e["one_launch"] or "one_launch_us" in e for e in entries.values())
