@@ -90,6 +90,8 @@ class ExpertsConfig:
                 value = getattr(tiles, attr)
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"{name}.{attr} must be a power of two >= 16, got {value}")
+        if not isinstance(self.one_launch, bool):
+            raise TypeError(f"one_launch must be a bool, got {type(self.one_launch).__name__}")
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
