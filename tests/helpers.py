@@ -259,9 +259,10 @@ def load_script(name: str):
     return module
 
 
-def capture_graph(step) -> torch.cuda.CUDAGraph:
+def capture_graph(step) -> tuple[torch.cuda.CUDAGraph, object]:
     """step() once on a side stream (kernels compiled and the allocator warmed before capture, as
-    torch's CUDA-graph docs ask), then step() captured into a CUDA graph, which is returned."""
+    torch's CUDA-graph docs ask), then step() captured into a CUDA graph. Returns the graph and
+    what the captured call returned (tensors each replay writes again)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -269,5 +270,5 @@ def capture_graph(step) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
-    return graph
+        result = step()
+    return graph, result

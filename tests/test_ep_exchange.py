@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import STALE_ID, assert_equal, garbage_ids, poisoned
+from helpers import STALE_ID, assert_equal, capture_graph, garbage_ids, poisoned
 from safemoe._checks import NumValid
 from safemoe.check.cases.ep import expected_overflow
 from safemoe.distributed.ep import (
@@ -287,14 +287,7 @@ def test_capacity_exchange_captures_in_a_cuda_graph() -> None:
         health.zero_()
         eager.append(step().clone())
         eager_health.append(health.clone())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for count, want, want_health in zip(counts, eager, eager_health, strict=True):
         num_valid.fill_(count)
         health.zero_()

@@ -304,6 +304,18 @@ def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
     assert (int(blocks[1]) > 0) == (small and num_valid > 0) and (int(blocks[0]) > 0) == (not small)
 
 
+def test_experts_config_rejects_bad_fields() -> None:
+    """A config a caller builds (config=, small_config=) is checked when it is made."""
+    tiles = GemmTiles(block_n=32, block_k=32)
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        ExpertsConfig(24, tiles, tiles)
+    with pytest.raises(ValueError, match=r"gemm2.block_k must be a power of two >= 16, got 48"):
+        ExpertsConfig(16, tiles, GemmTiles(block_n=32, block_k=48))
+    with pytest.raises(TypeError, match="one_launch must be a bool, got str"):
+        ExpertsConfig(16, tiles, tiles, one_launch="yes")  # type: ignore[arg-type]
+    assert ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, one_launch=True).to_json()).one_launch
+
+
 @interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
 def test_one_launch_serves_both_tile_regimes(one_launch: bool) -> None:
@@ -511,7 +523,7 @@ def test_graph_replay_with_num_valid_changed() -> None:
         out.copy_(safemoe.experts(x, w13, w2, routing, num_valid=nv, backend="triton", health=health,
                                   workspace=ws))
 
-    graph = capture_graph(layer)
+    graph, _ = capture_graph(layer)
     for count in (num_tokens, 1, 0, 37, num_tokens - 1):
         nv.fill_(count)
         x[count:] = math.nan
@@ -664,7 +676,7 @@ def test_both_tile_regimes_in_one_graph_qwen3(one_launch: bool, record_property)
         _run(x, w13, w2, weights, ids, num_valid=NumValid(None, nv), workspace=ws, out=out, config=main,
              small_config=small)
 
-    graph = capture_graph(step)
+    graph, _ = capture_graph(step)
     bitwise = {}
     for count in (1, num_tokens, 8, 9, 0, 3, SMALL_BATCH_TOKENS + 100):
         x.copy_(clean_x)

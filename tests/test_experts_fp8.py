@@ -657,7 +657,7 @@ def test_graph_replay_with_num_valid_changed(mode: str) -> None:
     ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
     nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
     out = torch.empty_like(x)
-    graph = capture_graph(lambda: _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out))
+    graph, _ = capture_graph(lambda: _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out))
     eager_ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
     for valid in (96, 1, 0, 37, 95):
         nv.fill_(valid)
