@@ -28,17 +28,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from safemoe.check.registry import select_cases  # noqa: E402
+from safemoe.check.runner import load_check_results  # noqa: E402
 
 BAD = ("failed", "crashed")
 
 
 def load_runs(paths: list[Path]) -> list[dict[str, Any]]:
+    """Every run of the files (a `check --json` file, or a joined --merged one), each with its results
+    (a joined file's results ride on its first run)."""
     runs = []
     for path in paths:
-        data = json.loads(path.read_text())
-        if "results" not in data:
-            raise SystemExit(f"{path}: not a `safemoe check --json` file (no 'results')")
-        runs.append(data)
+        try:
+            headers, results = load_check_results(path)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        runs += [dict(header, results=results if i == 0 else []) for i, header in enumerate(headers)]
     scales = {run["scale"] for run in runs}
     if len(scales) != 1:
         raise SystemExit(f"the runs mix matrix scales {sorted(scales)}; join runs of one scale")
@@ -109,7 +113,8 @@ def markdown(table: dict[tuple[str, str], collections.Counter], memcheck: dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="`safemoe check --json` files")
+    parser.add_argument("runs", nargs="+", type=Path,
+                        help="`safemoe check --json` files, or joined ones (--merged)")
     parser.add_argument("--families", default=None, help="families of the matrix (default: the runs' union)")
     parser.add_argument("--backends", default="reference,triton")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")

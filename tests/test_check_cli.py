@@ -70,6 +70,35 @@ def test_shards_partition_the_matrix() -> None:
         assert all(parts), n
 
 
+def test_resume_runs_only_the_cases_not_yet_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--resume FILE: a cut-short run goes on where it stopped; together the two cover the matrix once,
+    and a file of another seed or scale is refused before anything runs."""
+    only = "dispatch.duplicates,padding.num_valid"
+    common = ("check", "--backend", "reference", *IN_PROCESS, "--only", only)
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    code, out = run_cli(capsys, *common, "--shard", "1/2", "--json", str(first))
+    assert code == 0, out
+    code, out = run_cli(capsys, *common, "--resume", str(first), "--json", str(second))
+    assert code == 0, out
+    ran = [json.loads(path.read_text())["results"] for path in (first, second)]
+    keys = [(r["check"], r["backend"], r["case"]) for results in ran for r in results]
+    sizes = {c.name: len(c.grid(0, torch.device("cpu")))
+             for c in select_cases(["dispatch.duplicates", "padding.num_valid"])}  # fmt: skip
+    assert sorted(keys) == sorted((name, "reference", i) for name, n in sizes.items() for i in range(n))
+    assert ran[0] and ran[1] and f"resuming first.json: {len(ran[0])} cases already run" in out
+    assert json.loads(second.read_text())["resume"] == str(first)
+    for flags, what in ((("--seed", "5"), "seed 0 at matrix scale 0; this run is seed 5"),
+                        (("--scale", "cpu"), "seed 0 at matrix scale 0; this run is seed 0 at scale 1")):
+        code, out = run_cli(capsys, *common, *flags, "--resume", str(first))
+        assert code == 2 and "--resume" in out and what in out, out
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("hello")
+    code, out = run_cli(capsys, *common, "--resume", str(not_json))
+    assert code == 2 and "not readable as JSON" in out, out
+    code, out = run_cli(capsys, *common, "--resume", str(tmp_path / "missing.json"))
+    assert code == 2 and "no such file" in out, out
+
+
 def _duplicating_route(real_route):
     def route(logits, top_k, **kwargs):
         routing = real_route(logits, top_k, **kwargs)

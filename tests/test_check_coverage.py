@@ -41,6 +41,14 @@ def test_joins_split_runs_and_counts_gaps(tmp_path: Path, capsys) -> None:
     assert "triton 0 errors in 2 process summaries" in md.read_text()
     with gzip.open(merged, "rt") as handle:
         assert len(json.load(handle)["results"]) == 2
+    # The joined file is an input too: joined with a third run, it counts as the runs it came from.
+    third = _run(tmp_path / "c.json", [_result(case.name, 2)],
+                 memcheck={"triton": {"errors": 0, "processes": 1}})
+    code = coverage.main([str(merged), str(third), *only, "--markdown", str(md)])
+    assert code == 0
+    row = next(line for line in md.read_text().splitlines() if line.startswith("| dispatch | triton"))
+    assert row == f"| dispatch | triton | 3 | 0 | 0 | 0 | {size - 3} |"
+    assert "Runs joined: 3" in md.read_text() and "triton 0 errors in 3 process summaries" in md.read_text()
 
 
 def test_a_failure_in_any_run_wins_and_fails(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gzip
 import json
 import os
 import platform
@@ -45,6 +46,7 @@ from safemoe.check.worker import (
 )
 from safemoe.cli import (
     UsageError,
+    input_file,
     int_in,
     names_list,
     output_file,
@@ -182,6 +184,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "i mod N = K-1), so runs 1/N..N/N together cover it once: a long matrix split over calls",
     )
     parser.add_argument(
+        "--resume",
+        type=input_file,
+        default=None,
+        metavar="PATH",
+        help="skip every case that this earlier --json file (or scripts/check_coverage.py --merged file) "
+        "records as run, so a split or cut-short run goes on where it stopped; same seed and scale",
+    )
+    parser.add_argument(
         "--json",
         type=output_file,
         default=None,
@@ -261,6 +271,44 @@ def check_case_index(index: int | None, grids: dict[str, int], scale: int) -> No
     )
 
 
+def load_check_results(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(runs, results) of a `check --json` file (one run) or of a joined one (`{"runs", "results"}`,
+    as scripts/check_coverage.py --merged writes, optionally gzipped). Runs are the header
+    dictionaries (device, seed, scale, memcheck, ...), results the per-case dictionaries."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError(f"{path}: not readable as JSON ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        raise ValueError(f"{path}: not a `safemoe check --json` file (no 'results' list)")
+    if "runs" in data:
+        return list(data["runs"]), list(data["results"])
+    return [{k: v for k, v in data.items() if k != "results"}], list(data["results"])
+
+
+def resumed_cases(path: Path | None, *, seed: int, scale: int) -> frozenset[tuple[str, str, int]]:
+    """The (check, backend, case) that --resume's file records as run; a file of another seed or
+    matrix scale is a usage error (its case indices name other inputs)."""
+    if path is None:
+        return frozenset()
+    try:
+        runs, results = load_check_results(path)
+    except ValueError as error:
+        raise UsageError("--resume", str(error)) from None
+    for run in runs:
+        if run.get("scale") != scale or run.get("seed") != seed:
+            raise UsageError(
+                "--resume",
+                f"{path} holds a run of seed {run.get('seed')} at matrix scale {run.get('scale')}; "
+                f"this run is seed {seed} at scale {scale}, where the same case index names other inputs",
+            )
+    return frozenset(
+        (r["check"], r["backend"], int(r["case"])) for r in results if r.get("status") != "not run"
+    )
+
+
 def scale_of(args: argparse.Namespace, device: torch.device) -> int:
     if args.scale is not None:
         return SCALES[args.scale]
@@ -301,11 +349,12 @@ def plan_jobs(
     only_case: int | None,
     sanitizer: bool,
     part: tuple[int, int] | None = None,
+    skip: frozenset[tuple[str, str, int]] = frozenset(),
 ) -> tuple[list[Job], list[CaseResult], dict[str, int]]:
     """(jobs to run, results decided without running, case count per check). Jobs hold cases of
     one backend: chunks of a check (small chunks spread the slow Triton compiles over the
     workers); under the sanitizer jobs of one (backend, family), so each process's error summary
-    belongs to one backend."""
+    belongs to one backend. `skip` holds the (check, backend, case) already run (--resume)."""
     jobs: list[Job] = []
     decided: list[CaseResult] = []
     counts: dict[str, int] = {}
@@ -320,6 +369,7 @@ def plan_jobs(
             indices = [
                 i for i in range(len(grid))
                 if (only_case is None or i == only_case) and (part is None or i % part[1] == part[0] - 1)
+                and (case.name, adapter.name, i) not in skip
             ]
             static = static_status(case, adapter, device)
             if static is not None:
@@ -685,6 +735,7 @@ def write_json(
         "scale": scale,
         "sanitizer": args.sanitizer,
         "shard": None if args.shard is None else f"{args.shard[0]}/{args.shard[1]}",
+        "resume": None if args.resume is None else str(args.resume),
         "families": families,
         "backends": {
             a.name: {
@@ -789,13 +840,14 @@ def run(args: argparse.Namespace) -> int:
         sanitizer = sanitizer_command()
         if sanitizer is None:
             raise UsageError("--sanitizer", "compute-sanitizer not found on PATH or in /usr/local/cuda*/bin")
+    skip = resumed_cases(args.resume, seed=args.seed, scale=scale)
     if args.json_path is not None:
         prepare_output(args.json_path, "check", "--json")
     adapters = make_adapters(chosen + peers, device)
     config = WorkerConfig(device=str(device), seed=args.seed, scale=scale, plugins=list(args.plugin))
     jobs, decided, _ = plan_jobs(
         cases, adapters, device=device, scale=scale, only_case=args.case, sanitizer=sanitizer is not None,
-        part=args.shard,
+        part=args.shard, skip=skip,
     )
     cuda = device.type == "cuda"
     workers = args.jobs if args.jobs is not None else min(14 if cuda else 8, os.cpu_count() or 1)
@@ -840,6 +892,8 @@ def run(args: argparse.Namespace) -> int:
     names = [n for n in ("quick",) if args.quick] + (["memcheck"] if sanitizer else [])
     if args.shard is not None:
         names.append(f"shard {args.shard[0]}/{args.shard[1]}")
+    if args.resume is not None:
+        names.append(f"resuming {args.resume.name}: {len(skip)} cases already run")
     title = f"safemoe check ({device}, seed {args.seed}{''.join(', ' + n for n in names)})"
     reports = memcheck if sanitizer else None
     absent = {a.name: a.state for a in adapters if a.name in chosen and not (a.installed and a.available)}
