@@ -441,6 +441,31 @@ def test_poisoned_workspace_and_sharing() -> None:
         assert_close(shared, experts_reference(x, w13, w2, weights, ids))
 
 
+@interpreter_only(INTERPRETER_ONLY)
+def test_fresh_workspace_zeroes_only_its_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new Workspace zeroes its index segment and leaves the data segment as the allocator gave it
+    (a ~70 MB memset per workspace-less call at T = 1024 otherwise); on memory that comes back full
+    of garbage it still gives the fresh result's bits."""
+    real_empty = torch.empty
+
+    def garbage_empty(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(0xFF)  # as uint8: NaN in every float view of it
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", garbage_empty)
+        ws = Workspace(48, 8, 2, 64, 64, torch.float32, "cpu")
+    views = ws.views(48, 8, 2, 64, 64)
+    assert views.intermediate.isnan().all() and views.y.isnan().all()
+    assert (views.counts == 0).all() and (views.ticket == 0).all() and (views.num_blocks == 0).all()
+    gen = torch.Generator().manual_seed(17)
+    w13, w2 = _weights(8, 64, 64, torch.float32, gen)
+    x = torch.randn(48, 64, generator=gen)
+    weights, ids = _routing(48, 2, 8, gen)
+    for num_valid in (48, 5, 0):
+        assert_equal(_run(x, w13, w2, weights, ids, workspace=ws, num_valid=num_valid),
+                     _run(x, w13, w2, weights, ids, num_valid=num_valid))
+
+
 @interpreter_only("argument checks; CPU tensors")
 def test_workspace_validation() -> None:
     ws = Workspace(16, 8, 2, 32, 32, torch.float32, "cpu")

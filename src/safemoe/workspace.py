@@ -148,10 +148,18 @@ class Workspace:
         self.device = device
         self.capacity = cap
         self.fp8 = bool(fp8)
-        # One zeroed byte buffer: the counters must start at zero (the dispatch kernel keeps them
-        # so afterwards), and one tensor is what the registered op carries (`op_args`).
-        _, nbytes = _segments(max_tokens, num_experts, top_k, hidden, inter, dtype, self.fp8)
-        self._bind(torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
+        # One byte buffer, because one tensor is what the registered op carries (`op_args`). Only
+        # the index segment is zeroed: its counters must start at zero (the dispatch kernel leaves
+        # them so). The data segment (intermediate, y) is left uninitialised: every call writes the
+        # positions it reads, which `check`'s buffers family proves by poisoning it with NaN/Inf.
+        # Zeroing it cost a workspace-less moe() of T = 1024 a ~70 MB memset per call (Qwen3).
+        segments, nbytes = _segments(max_tokens, num_experts, top_k, hidden, inter, dtype, self.fp8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        data_start, data_elems, data_dtype = segments[1]
+        data_end = data_start + data_elems * data_dtype.itemsize
+        buffer[:data_start].zero_()
+        buffer[data_end:].zero_()  # the fp8 segments (and the alignment tail): zeroed as before
+        self._bind(buffer)
 
     def _bind(self, buffer: torch.Tensor) -> None:
         """Carve the typed buffers out of `buffer` (views, no allocation)."""
