@@ -45,6 +45,22 @@ def test_each_target_met_and_missed():
     assert len(got) == 10
 
 
+def test_a_prefill_ratio_below_its_own_floor_says_so():
+    """T = 2048 weight-read-bound with a floor per token above T = 8192's time per token: the row
+    names the floor (out of reach); with a floor below, it does not."""
+    def per_token_row(floor_2048: float) -> str:
+        rows = [row("deepseek-v3", 8192, 8192.0, 5000.0),  # 1.0 us/token
+                BenchRow(layer.SUITE, "deepseek-v3", 2048, "clean", "safemoe-triton", 4096.0, floor_2048,
+                         extra={"bound": "read"})]  # fmt: skip
+        (target,) = [t for t in layer.targets_table(rows) if t["T"] == "2048 vs 8192"]
+        assert target["met"] is False
+        return target["measured"]
+
+    want = "2.000 us/token (T = 2048's own read floor: 1.500 us/token, out of reach here)"
+    assert per_token_row(3072.0) == want
+    assert per_token_row(1024.0) == "2.000 us/token"
+
+
 def test_missing_measurements_give_no_verdict(tmp_path):
     rows = [row("qwen3-30b-a3b", 1, None, 25.0), row("qwen3-30b-a3b", layer.PADDED_TOKENS, 40.0, 25.0,  # type: ignore[arg-type]
                                                      variant="padded-1")]  # fmt: skip
