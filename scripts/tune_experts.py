@@ -3,7 +3,7 @@
 Run from the repository root on a CUDA machine:
 
     PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR [--shapes qwen3,mixtral]
-        [--tokens 1,8,64] [--jobs 12] [--budget-s 240] [--write] [--breakdown] [--no-one-launch]
+        [--tokens 1,8,64] [--jobs 12] [--budget-s 240] [--write] [--breakdown] [--no-one-launch] [--wide]
     PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR --one-launch-only [--write]
 
 How it searches (per model shape and token bucket T):
@@ -124,18 +124,54 @@ PREFILL_G2: list[Tiles] = [
 ]
 
 
+# --wide adds these to each regime's lists: larger N and K tiles (more bytes per program in flight,
+# fewer re-reads of x), two-warp decode tiles and deeper pipelines. Environment, not an argument,
+# so the precompile worker processes see the same candidate lists.
+WIDE_ENV = "SAFEMOE_TUNE_WIDE"
+WIDE_DECODE_G1: list[Tiles] = [
+    (32, 256, 4, 4), (64, 256, 4, 3), (16, 256, 2, 6), (32, 128, 2, 6), (128, 128, 4, 3),
+]
+WIDE_DECODE_G2: list[Tiles] = [
+    (32, 256, 4, 4), (64, 256, 4, 4), (16, 256, 2, 6), (128, 128, 4, 4), (32, 128, 2, 6),
+]
+WIDE_MID_G1: list[Tiles] = [
+    (128, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 3), (256, 64, 8, 3), (64, 128, 4, 4),
+]
+WIDE_MID_G2: list[Tiles] = [
+    (128, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (64, 128, 4, 5),
+]
+WIDE_PREFILL_G1: list[Tiles] = [
+    (256, 64, 8, 3), (128, 128, 8, 3), (256, 32, 8, 4), (128, 64, 4, 4), (128, 64, 8, 5),
+]
+WIDE_PREFILL_G2: list[Tiles] = [
+    (256, 64, 8, 4), (128, 32, 8, 5), (128, 64, 8, 5), (128, 64, 4, 4), (64, 128, 4, 4),
+]
+
+
+def _lists(regime: str) -> tuple[list[Tiles], list[Tiles]]:
+    base = {"decode": (DECODE_G1, DECODE_G2), "mid": (MID_G1, MID_G2), "prefill": (PREFILL_G1, PREFILL_G2)}
+    wide = {"decode": (WIDE_DECODE_G1, WIDE_DECODE_G2), "mid": (WIDE_MID_G1, WIDE_MID_G2),
+            "prefill": (WIDE_PREFILL_G1, WIDE_PREFILL_G2)}  # fmt: skip
+    g1, g2 = base[regime]
+    if os.environ.get(WIDE_ENV) == "1":
+        g1 = g1 + [t for t in wide[regime][0] if t not in g1]
+        g2 = g2 + [t for t in wide[regime][1] if t not in g2]
+    return g1, g2
+
+
 def regimes(num_tokens: int, num_experts: int, top_k: int) -> list[tuple[int, list[Tiles], list[Tiles], int]]:
     """(block_m, GEMM1 candidates, GEMM2 candidates, group_m) worth trying at this T."""
     rows = token_bucket(num_tokens) * top_k / num_experts
+    decode, mid, prefill = _lists("decode"), _lists("mid"), _lists("prefill")
     if rows <= 8:
-        return [(16, DECODE_G1, DECODE_G2, 1)]
+        return [(16, *decode, 1)]
     if rows <= 24:
-        return [(16, DECODE_G1, DECODE_G2, 1), (32, MID_G1, MID_G2, 4)]
+        return [(16, *decode, 1), (32, *mid, 4)]
     if rows <= 96:
-        return [(32, MID_G1, MID_G2, 4), (64, MID_G1, MID_G2, 8)]
+        return [(32, *mid, 4), (64, *mid, 8)]
     if rows <= 192:
-        return [(64, PREFILL_G1, PREFILL_G2, 8), (128, PREFILL_G1, PREFILL_G2, 8)]
-    return [(128, PREFILL_G1, PREFILL_G2, 8), (64, PREFILL_G1, PREFILL_G2, 8)]
+        return [(64, *prefill, 8), (128, *prefill, 8)]
+    return [(128, *prefill, 8), (64, *prefill, 8)]
 
 
 def _tiles(t: Tiles, group_m: int, tma: bool = False) -> GemmTiles:
@@ -654,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-one-launch", action="store_true", help="do not time one_launch (winners get one_launch off)"
     )
     parser.add_argument(
+        "--wide", action="store_true", help="more tile candidates per regime (WIDE_*: ~twice the timings)"
+    )
+    parser.add_argument(
         "--one-launch-only",
         action="store_true",
         help="re-decide one_launch of the device table's entries (--tokens: those buckets), tiles kept",
@@ -664,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("tune_experts needs a CUDA GPU")
         return 0
+    if args.wide:
+        os.environ[WIDE_ENV] = "1"  # before the precompile workers start
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.shapes.split(",") if n]

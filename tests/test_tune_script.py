@@ -32,6 +32,23 @@ def test_candidate_plans_cover_every_shape_and_bucket():
             assert {c.gemm1.tma for c in plan} == {False, True}, f"{name} T={num_tokens}: TMA not searched"
 
 
+def test_wide_adds_candidates_that_fit_shared_memory(monkeypatch):
+    """--wide (through the environment, so precompile workers agree): a superset of each bucket's
+    plan, and no wide tile needs more shared memory per pipeline than an H100 SM has (228 KB)."""
+    tune = _load()
+    monkeypatch.delenv(tune.WIDE_ENV, raising=False)
+    narrow = {n: tune.candidate_plan(n, 128, 8) for n in (1, 256, 1024, 8192)}
+    monkeypatch.setenv(tune.WIDE_ENV, "1")
+    for num_tokens, base in narrow.items():
+        wide = tune.candidate_plan(num_tokens, 128, 8)
+        keys = {repr(c) for c in wide}
+        assert {repr(c) for c in base} < keys, num_tokens
+        for cfg in wide:
+            for gemm in (cfg.gemm1, cfg.gemm2):
+                per_stage = (cfg.block_m + gemm.block_n) * gemm.block_k * 2  # bf16 A and B tiles
+                assert per_stage * gemm.num_stages <= 228 * 1024, (num_tokens, cfg)
+
+
 # --- one_launch (issue 13): the decision rule, which buckets get timed, and --write's merge ------
 
 
