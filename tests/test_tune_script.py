@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import interpreter_only
 from safemoe.configs import BLOCK_M_CHOICES, ExpertsConfig, GemmTiles
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tune_experts.py"
@@ -32,21 +33,17 @@ def test_candidate_plans_cover_every_shape_and_bucket():
             assert {c.gemm1.tma for c in plan} == {False, True}, f"{name} T={num_tokens}: TMA not searched"
 
 
-def test_wide_adds_candidates_that_fit_shared_memory(monkeypatch):
-    """--wide (through the environment, so precompile workers agree): a superset of each bucket's
-    plan, and no wide tile needs more shared memory per pipeline than an H100 SM has (228 KB)."""
+def test_wide_adds_candidates(monkeypatch):
+    """--wide (through the environment, so precompile workers agree): a strict superset of each
+    bucket's plan. Tiles past an SM's shared memory at some BLOCK_M fail to compile and the tuner
+    lists and skips them (on the H100: 6 of Mixtral T=256's, GEMM1 keeps two weight tiles a stage)."""
     tune = _load()
     monkeypatch.delenv(tune.WIDE_ENV, raising=False)
     narrow = {n: tune.candidate_plan(n, 128, 8) for n in (1, 256, 1024, 8192)}
     monkeypatch.setenv(tune.WIDE_ENV, "1")
     for num_tokens, base in narrow.items():
         wide = tune.candidate_plan(num_tokens, 128, 8)
-        keys = {repr(c) for c in wide}
-        assert {repr(c) for c in base} < keys, num_tokens
-        for cfg in wide:
-            for gemm in (cfg.gemm1, cfg.gemm2):
-                per_stage = (cfg.block_m + gemm.block_n) * gemm.block_k * 2  # bf16 A and B tiles
-                assert per_stage * gemm.num_stages <= 228 * 1024, (num_tokens, cfg)
+        assert {repr(c) for c in base} < {repr(c) for c in wide}, num_tokens
 
 
 # --- one_launch (issue 13): the decision rule, which buckets get timed, and --write's merge ------
@@ -198,6 +195,7 @@ def test_one_launch_flags_exclude_each_other(tmp_path):
         tune.main(["--out", str(tmp_path), "--one-launch-only", "--no-one-launch"])
 
 
+@interpreter_only("CPU tensors through the Triton kernels")
 def test_case_step_passes_small_tiles_and_padded_num_valid(monkeypatch):
     """Case.step (what the one_launch timings replay) on a tiny shape in the interpreter: both
     launch modes, a full batch and 1 valid row, match the reference; padding rows are zeros."""
