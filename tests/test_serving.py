@@ -288,15 +288,20 @@ def test_generate_batch_compiled(monkeypatch):
     want = generate_batch(build("qwen3_moe"), cb_config(), PROMPTS[:3])
     health = Health()
     model = patch(build("qwen3_moe"), health=health)
+    # transformers 5.17's engine (the GPU machine's) hands the blocks non-finite real rows of its own
+    # here, as under CUDA graphs (issue 16's note): safemoe must count exactly those.
+    upstream, handles = count_nonfinite_real_inputs(model)
     compile_config = transformers.CompileConfig(backend="aot_eager", mode="default", dynamic=True)
     with engine(monkeypatch, force_padding=False) as steps:
         got = generate_batch(model, cb_config(varlen_compile_config=compile_config), PROMPTS[:3])
+    for handle in handles:
+        handle.remove()
     torch._dynamo.reset()
     assert got == want
     assert steps.padded > 0, "the compiled engine did not pad"
     counts = read(health)
     assert counts["padded_rows"] == len(patched_blocks(model)) * steps.padded, (counts, steps.rows)
-    assert counts["nonfinite_rows"] == 0
+    assert counts["nonfinite_rows"] == int(upstream), (counts, int(upstream))
     assert model._safemoe_state.num_valid is None
 
 
