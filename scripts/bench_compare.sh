@@ -36,7 +36,7 @@
 #   TOLERANCE    band of `ok` (default 0.02)
 #   OLD_LABEL / NEW_LABEL   names in the table (default: OLD_SRC_DIR/COMMIT or the path; git HEAD)
 #
-# Writes OUT_DIR/compare.md, OUT_DIR/runs/<old|new>_<suite>_r<N>/ (each run's bench output),
+# Writes OUT_DIR/compare.md, OUT_DIR/runs.tar.gz (runs/<old|new>_<suite>_r<N>/: each run's bench output),
 # OUT_DIR/bench_compare.log; prints the summary last. Exit status: bench_compare.py's (1 when a
 # safemoe point is slower than the tolerance), 2 when no pair of runs produced results.
 set -u
@@ -157,8 +157,12 @@ status=$?
     if [ "${#MISSING[@]}" -gt 0 ]; then echo "- without results (not compared): ${MISSING[*]}"; fi
 } >> "$OUT_DIR/compare.md"
 
+# The device tool brings back files at most 16 levels deep and only so many of them: the runs'
+# directories travel as one archive (each side's CSV/JSON/PNG and targets tables).
+tar -czf "$OUT_DIR/runs.tar.gz" -C "$OUT_DIR" runs 2>> "$LOG" && rm -rf "$RUNS"
+
 echo
 grep -m 1 '^\*\*Summary' "$OUT_DIR/compare.md"
 tail -n 2 "$OUT_DIR/compare.md"
-echo "table: $OUT_DIR/compare.md; runs: $RUNS; log: $LOG"
+echo "table: $OUT_DIR/compare.md; runs: $OUT_DIR/runs.tar.gz; log: $LOG"
 exit "$status"
