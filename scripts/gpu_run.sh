@@ -13,7 +13,8 @@
 #   QUICK=1         smaller bench and per-stage time limits that fit a 7-minute call
 #   TESTS_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT   limits in seconds (SANITIZE_TIMEOUT per pass)
 #   PYTEST_TARGETS  what pytest collects (default: tests)
-#   PYTEST_ARGS     extra pytest arguments (e.g. "-k router")
+#   PYTEST_ARGS     extra pytest arguments (e.g. "-k router"; "-n 8 --test-shard 1/2": half the suite,
+#                   tests/conftest.py, for a suite longer than one device call)
 #   BENCH_SUITE_TIMEOUT  seconds allowed per bench suite (default: no limit of its own)
 #   SERVING_TIMEOUT / SERVING_ARGS  limit of the serving stage (420 s) and extra arguments of
 #                   `python -m safemoe.bench.serving` (e.g. "--layers 8 --concurrency 1,64,256")

@@ -12,7 +12,15 @@ except ImportError:  # pragma: no cover
 
 import pytest
 
-from helpers import DEVICES, device_param  # after TRITON_INTERPRET is settled
+from helpers import DEVICES, device_param, in_test_shard, parse_test_shard  # after TRITON_INTERPRET
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--test-shard", default=None, metavar="K/N",
+        help="run the K-th of N disjoint parts of the collected tests (a stable hash of each test id), "
+        "so N runs cover the suite once: the GPU suite takes longer than one device call",
+    )  # fmt: skip
 
 
 def pytest_configure(config):
@@ -31,6 +39,16 @@ _RUN_LAST = ("test_check_cli.py", "test_check_matrix.py", "test_bench_harness.py
 
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    shard = config.getoption("--test-shard")
+    if shard is not None:
+        try:
+            part = parse_test_shard(shard)
+        except ValueError as error:
+            raise pytest.UsageError(f"--test-shard: {error}") from None
+        kept = [item for item in items if in_test_shard(item.nodeid, part)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
 
     if torch.cuda.is_available():
         items.sort(key=lambda item: item.path.name in _RUN_LAST)  # stable: order kept otherwise

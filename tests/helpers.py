@@ -272,3 +272,28 @@ def capture_graph(step) -> tuple[torch.cuda.CUDAGraph, object]:
     with torch.cuda.graph(graph):
         result = step()
     return graph, result
+
+
+# ---------------------------------------------------------------------------------------------
+# --test-shard K/N (conftest.py): the suite split over device calls
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_test_shard(text: str) -> tuple[int, int]:
+    """"K/N" -> (K, N) with 1 <= K <= N; ValueError naming what is wrong."""
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"expected K/N such as 1/2, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"K/N needs 1 <= K <= N, got {text!r}")
+    return k, n
+
+
+def in_test_shard(nodeid: str, part: tuple[int, int]) -> bool:
+    """Whether a test belongs to part K of N: crc32 of its id (stable across processes, xdist
+    workers and runs; Python's hash() is salted per process)."""
+    import zlib
+
+    k, n = part
+    return zlib.crc32(nodeid.encode()) % n == k - 1
