@@ -62,18 +62,31 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "mixtral": (8, 2, 4096, 14336),
     "gptoss": (128, 4, 2880, 2880),
     "deepseek": (256, 8, 7168, 2048),
+    # Issue 13 names Qwen3-Next among the shapes to tune; the -ep2 shapes are what each of two
+    # expert-parallel ranks runs locally (half the experts: E/2, same K), untuned until now.
+    "qwen3next": (512, 10, 2048, 512),
+    "qwen3-ep2": (64, 8, 2048, 768),
+    "deepseek-ep2": (128, 8, 7168, 2048),
 }
+# Shapes tuned when --shapes is not given (the extra ones above are asked for by name).
+DEFAULT_SHAPES = "qwen3,mixtral,gptoss,deepseek"
 DEFAULT_TOKENS = {
     "qwen3": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
     "mixtral": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
     "gptoss": (1, 8, 64, 256, 1024, 4096, 8192),
     "deepseek": (1, 8, 64, 256, 1024, 4096, 8192),
+    "qwen3next": (1, 8, 64, 256, 1024, 4096, 8192),
+    "qwen3-ep2": (8, 64, 256, 1024, 4096, 8192),
+    "deepseek-ep2": (8, 64, 256, 1024, 4096, 8192),
 }
 QUICK_TOKENS = {
     "qwen3": (1, 8, 64, 256, 2048, 8192),
     "mixtral": (1, 8, 64, 256, 2048, 8192),
     "gptoss": (1, 64, 1024, 8192),
     "deepseek": (1, 64, 1024, 8192),
+    "qwen3next": (1, 64, 1024, 8192),
+    "qwen3-ep2": (8, 256, 4096),
+    "deepseek-ep2": (8, 256, 4096),
 }
 N_VARIANTS = 4
 PDL_MAX_TOKENS = 256  # PDL only matters where launch latency is a visible share
@@ -673,7 +686,8 @@ def run_one_launch(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help=f"comma-separated, of {', '.join(SHAPES)} (default {DEFAULT_SHAPES})")
     parser.add_argument("--tokens", default="", help="comma-separated T values (default: per shape)")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop timing new configs after this")
@@ -700,6 +714,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.one_launch_only and args.no_one_launch:
         parser.error("--one-launch-only and --no-one-launch exclude each other")
+    names = [n for n in args.shapes.split(",") if n]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        parser.error(f"--shapes: unknown {unknown or args.shapes!r}; known: {', '.join(SHAPES)}")
     if not torch.cuda.is_available():
         print("tune_experts needs a CUDA GPU")
         return 0
@@ -707,7 +725,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[WIDE_ENV] = "1"  # before the precompile workers start
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in args.shapes.split(",") if n]
     if args.one_launch_only:
         return one_launch_only(args, names, start)
     defaults = QUICK_TOKENS if args.quick else DEFAULT_TOKENS

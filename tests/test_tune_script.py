@@ -195,6 +195,18 @@ def test_one_launch_flags_exclude_each_other(tmp_path):
         tune.main(["--out", str(tmp_path), "--one-launch-only", "--no-one-launch"])
 
 
+def test_unknown_shapes_are_refused_before_anything_runs(tmp_path, capsys):
+    tune = _load()
+    for shapes in ("qwen4", "qwen3,nope", ","):
+        with pytest.raises(SystemExit) as exit_info:
+            tune.main(["--out", str(tmp_path / "x"), "--shapes", shapes])
+        assert exit_info.value.code == 2
+        assert "--shapes: unknown" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert {"qwen3next", "qwen3-ep2", "deepseek-ep2"} <= set(tune.SHAPES) <= set(tune.DEFAULT_TOKENS)
+    assert set(tune.SHAPES) <= set(tune.QUICK_TOKENS)
+
+
 @interpreter_only("CPU tensors through the Triton kernels")
 def test_case_step_passes_small_tiles_and_padded_num_valid(monkeypatch):
     """Case.step (what the one_launch timings replay) on a tiny shape in the interpreter: both

@@ -11,8 +11,8 @@ import torch
 import transformers
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 
-from safemoe.integrations.transformers import patch
 from safemoe.health import Health
+from safemoe.integrations.transformers import patch
 from test_serving import PROMPTS, build, cb_config, generate_batch
 
 
@@ -28,9 +28,10 @@ def run(compiled: bool) -> None:
         out = compute(self, model_, batch_data)
         after = health.read()
         ids = batch_data["input_ids"]
-        lines.append((int(ids.shape[-1]), int(self.inputs_and_outputs.total_seqlen_q)
-                      if hasattr(self.inputs_and_outputs, "total_seqlen_q") else -1,
-                      after["nonfinite_rows"] - before["nonfinite_rows"], after["padded_rows"] - before["padded_rows"]))
+        io = self.inputs_and_outputs
+        real = int(io.total_seqlen_q) if hasattr(io, "total_seqlen_q") else -1
+        lines.append((int(ids.shape[-1]), real, after["nonfinite_rows"] - before["nonfinite_rows"],
+                      after["padded_rows"] - before["padded_rows"]))
         return out
 
     options = {}
