@@ -263,11 +263,9 @@ def capture_graph(step) -> tuple[torch.cuda.CUDAGraph, object]:
     """step() once on a side stream (kernels compiled and the allocator warmed before capture, as
     torch's CUDA-graph docs ask), then step() captured into a CUDA graph. Returns the graph and
     what the captured call returned (tensors each replay writes again)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
+    from safemoe.graphs import warm_up
+
+    warm_up(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         result = step()

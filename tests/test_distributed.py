@@ -42,6 +42,7 @@ from safemoe._checks import NumValid
 from safemoe.check.cases.ep import expected_overflow  # the capacity policy in plain Python, shared
 from safemoe.distributed import EPLayout, EPMoE, common_bucket, ep_experts, pad_to_common_bucket, spawn
 from safemoe.distributed.ep import _pack, _unpack, capacity_rows, check_mode, run_exchange
+from safemoe.graphs import warm_up
 from safemoe.health import DROPPED_SLOTS, EP_OVERFLOW_SLOTS, NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
 from safemoe.layer import MoE
 from safemoe.reference import experts_reference, route_reference
@@ -437,13 +438,7 @@ def check_graph_capture(ctx: Ctx) -> None:
         for count in counts:
             num_valid.fill_(count)
             want.append(ep(static_x, num_valid=num_valid).clone())
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            ep(static_x, num_valid=num_valid)
-            common_bucket(num_valid, buckets=BUCKETS)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_up(lambda: (ep(static_x, num_valid=num_valid), common_bucket(num_valid, buckets=BUCKETS)))
         dist.barrier()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):

@@ -33,6 +33,7 @@ from helpers import (
     tie_free_logits,
 )
 from safemoe import _checks
+from safemoe.graphs import warm_up
 from safemoe.health import NONFINITE_ROWS, PADDED_ROWS, new_health_tensor
 from safemoe.kernels import routing as router
 from safemoe.reference import route_reference
@@ -481,12 +482,7 @@ def test_cuda_graph_replay_with_num_valid_changed_in_place():
         router.route_into(logits, args, bias=None, num_valid=nv, health=health,
                           weights_out=weights, ids_out=ids)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(step)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()

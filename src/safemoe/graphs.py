@@ -30,6 +30,18 @@ from typing import Any
 import torch
 
 
+def warm_up(step: Callable[[], object], device: torch.device | str | None = None) -> None:
+    """step() on a side stream, joined back to the current stream and synchronised: lazy
+    initialisation, cuBLAS workspaces and Triton compilation happen there, not inside the CUDA-graph
+    capture that follows (the warm-up torch's CUDA-graph docs ask for). CUDA only."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+
+
 def token_buckets(max_tokens: int) -> list[int]:
     """1, 2, 4, ... up to max_tokens (max_tokens itself included when not a power of two)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from safemoe.cli import UsageError, int_in, output_file, prepare_output, reports_usage_errors
+from safemoe.graphs import warm_up
 from safemoe.health import DROPPED_SLOTS, HEALTH_SLOTS
 from safemoe.layer import MoE
 from safemoe.routing import Routing
@@ -182,11 +183,7 @@ def soak(*, replays: int | None = None, device: str = "auto", model: str = "qwen
         graph = None
         if dev.type == "cuda":
             torch.cuda.synchronize()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
+            warm_up(step)
             graph = torch.cuda.CUDAGraph()
             graph.register_generator_state(step.generator)
             with torch.cuda.graph(graph):

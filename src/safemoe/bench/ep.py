@@ -73,6 +73,7 @@ from safemoe.bench.harness import (
     moe_floor_us,
     moe_flops,
 )
+from safemoe.graphs import warm_up
 
 SUITE = "ep"
 SHAPES: dict[str, tuple[int, int, int, int]] = {  # E, K, H, I
@@ -114,13 +115,7 @@ def _time_graph_all_ranks(
     import torch.distributed as dist
 
     calls, replays = _graph_budget(global_tokens)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for j in range(max(2, N_VARIANTS)):
-            step(j % N_VARIANTS)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(lambda: [step(j % N_VARIANTS) for j in range(max(2, N_VARIANTS))])
     dist.barrier(group=ctrl)
     graph = torch.cuda.CUDAGraph()
     error = ""

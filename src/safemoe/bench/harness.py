@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from safemoe.graphs import warm_up
+
 try:
     import triton
     import triton.language as tl
@@ -283,13 +285,7 @@ def time_graph(
     _require_cuda("time_graph")
     if n_variants < 1 or calls_per_graph < 1 or replays < 1:
         raise ValueError(f"{n_variants=}, {calls_per_graph=} and {replays=} must be >= 1")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for j in range(max(warmup, n_variants)):
-            step(j % n_variants)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(lambda: [step(j % n_variants) for j in range(max(warmup, n_variants))])
 
     graph = torch.cuda.CUDAGraph()
     try:

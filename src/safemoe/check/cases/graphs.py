@@ -29,6 +29,7 @@ from safemoe.check.cases.common import (
 from safemoe.check.inputs import STALE_ID, router_rows, tokens, top_k_for
 from safemoe.check.invariants import expect_bitwise, expect_finite, expect_routing_contract
 from safemoe.check.registry import CaseContext, CheckFailure, NotApplicable, Plan, case
+from safemoe.graphs import warm_up
 from safemoe.reference import route_reference
 from safemoe.routing import Routing
 
@@ -46,12 +47,7 @@ class Replayable:
         if device.type != "cuda":
             self.outputs = fn()
             return
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        warm_up(fn, device)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
