@@ -46,8 +46,10 @@ def pytest_collection_modifyitems(config, items):
             part = parse_test_shard(shard)
         except ValueError as error:
             raise pytest.UsageError(f"--test-shard: {error}") from None
-        kept = [item for item in items if in_test_shard(item.nodeid, part)]
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        kept, dropped = [], []
+        for item in items:
+            (kept if in_test_shard(item.nodeid, part) else dropped).append(item)
+        config.hook.pytest_deselected(items=dropped)
         items[:] = kept
 
     if torch.cuda.is_available():

@@ -158,7 +158,8 @@ class Workspace:
         data_start, data_elems, data_dtype = segments[1]
         data_end = data_start + data_elems * data_dtype.itemsize
         buffer[:data_start].zero_()
-        buffer[data_end:].zero_()  # the fp8 segments (and the alignment tail): zeroed as before
+        if self.fp8:
+            buffer[data_end:].zero_()  # the fp8 segments: zeroed as before
         self._bind(buffer)
 
     def _bind(self, buffer: torch.Tensor) -> None:
