@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import QWEN3_SHAPE, assert_close, assert_equal, qwen3_moe, qwen3_workspace
-from safemoe.graphs import CUDAGraphRunner, token_buckets
+from safemoe.graphs import CUDAGraphRunner, token_buckets, warm_up
 
 
 def test_token_buckets():
@@ -24,6 +24,26 @@ def test_token_buckets():
 def test_cpu_raises_clear_error():
     with pytest.raises(RuntimeError, match=r"needs CUDA tensors.*allow_eager=True"):
         CUDAGraphRunner(lambda x, num_valid: x, 8, torch.zeros(1, 4))
+
+
+def test_warm_up_refuses_bad_input_before_running_anything():
+    ran = []
+    with pytest.raises(TypeError, match="step must be callable"):
+        warm_up(42)  # type: ignore[arg-type]
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="must be a CUDA device"):
+            warm_up(lambda: ran.append(1), "cpu")
+    else:
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            warm_up(lambda: ran.append(1))
+    assert ran == []
+
+
+@pytest.mark.gpu
+def test_warm_up_runs_the_step_once_and_joins_the_stream():
+    x = torch.zeros(4, device="cuda")
+    warm_up(lambda: x.add_(1))
+    assert x.tolist() == [1.0] * 4  # synchronised: the side stream's work is done
 
 
 def test_eager_mode_buckets_pads_and_slices():

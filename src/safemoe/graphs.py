@@ -34,6 +34,12 @@ def warm_up(step: Callable[[], object], device: torch.device | str | None = None
     """step() on a side stream, joined back to the current stream and synchronised: lazy
     initialisation, cuBLAS workspaces and Triton compilation happen there, not inside the CUDA-graph
     capture that follows (the warm-up torch's CUDA-graph docs ask for). CUDA only."""
+    if not callable(step):
+        raise TypeError(f"warm_up: step must be callable, got {type(step).__name__}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("warm_up: needs CUDA (it warms a step up before a CUDA-graph capture)")
+    if device is not None and torch.device(device).type != "cuda":
+        raise ValueError(f"warm_up: device must be a CUDA device, got {device}")
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
