@@ -305,6 +305,7 @@ def _compile_task(task: CompileTask) -> list[str]:
                 workspace=ws,
                 config=cfg,
                 small_config=small,
+                few_config=few_slots_tiles(cfg, num_tokens, top_k),
             )
             torch.cuda.synchronize()
         except Exception as exc:  # out of shared memory, unsupported layout...
@@ -312,6 +313,14 @@ def _compile_task(task: CompileTask) -> list[str]:
                 f"{name} T={num_tokens} {json.dumps(data)}: {type(exc).__name__}: {str(exc)[:200]}"
             )
     return failures
+
+
+def few_slots_tiles(cfg: ExpertsConfig, num_tokens: int, top_k: int) -> ExpertsConfig | None:
+    """A bucket whose every batch takes the few-slot path (T*K <= FEW_SLOTS) is timed on it, with
+    the candidate's own tiles, as `experts_triton` runs the bucket by default."""
+    from safemoe.kernels.experts import FEW_SLOTS
+
+    return cfg if cfg.few and num_tokens * top_k <= FEW_SLOTS else None
 
 
 def compile_tasks(names: list[str], tokens_of: dict[str, tuple[int, ...]]) -> list[CompileTask]:
@@ -423,6 +432,7 @@ class Case:
                     out=self.outs[j],
                     config=cfg,
                     small_config=small,
+                    few_config=few_slots_tiles(cfg, self.num_tokens, top_k),
                 )
                 return
             views = self.ws.views(self.num_tokens, num_experts, top_k, hidden, inter)

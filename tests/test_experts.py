@@ -280,14 +280,15 @@ def test_block_sizes_and_k_tails(block_m: int, tma: bool) -> None:
 
 
 @interpreter_only(INTERPRETER_ONLY)
-@pytest.mark.parametrize("num_valid", [0, 1, 8, 9, 299])
+@pytest.mark.parametrize("num_valid", [0, 1, 4, 5, 8, 9, 299])
 def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
     """num_valid <= 8 in a batch whose own tiles differ: the small-batch layout and GEMMs run (the
-    main ones find no M-block), chosen on the device; results match either way."""
-    from safemoe.kernels.experts import SMALL_BATCH_TOKENS
+    main ones find no M-block), chosen on the device; num_valid * K <= FEW_SLOTS: the few-slot path,
+    no layout at all; results match in every regime."""
+    from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS
 
     gen = torch.Generator().manual_seed(num_valid)
-    num_tokens, num_experts, top_k, hidden, inter = 300, 8, 2, 32, 32
+    num_tokens, num_experts, top_k, hidden, inter = 300, 8, 4, 32, 32
     w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
     x = torch.randn(num_tokens, hidden, generator=gen)
     weights, ids = _routing(num_tokens, top_k, num_experts, gen)
@@ -300,8 +301,9 @@ def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
     assert_close(out, expected)
     assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
     blocks = ws.views(num_tokens, num_experts, top_k, hidden, inter).num_blocks
-    small = num_valid <= SMALL_BATCH_TOKENS
-    assert (int(blocks[1]) > 0) == (small and num_valid > 0) and (int(blocks[0]) > 0) == (not small)
+    few = num_valid * top_k <= FEW_SLOTS
+    small = num_valid <= SMALL_BATCH_TOKENS and not few
+    assert (int(blocks[1]) > 0) == small and (int(blocks[0]) > 0) == (not small and not few)
 
 
 def test_experts_config_rejects_bad_fields() -> None:
@@ -373,6 +375,138 @@ def test_garbage_ids_via_public_api() -> None:
     nv = NumValid(45, None)
     assert_close(out, experts_reference(x, w13, w2, weights, ids, num_valid=nv))
     assert int(health[DROPPED_SLOTS]) == dispatch_reference(ids, num_experts, nv).dropped > 0
+
+
+@interpreter_only(INTERPRETER_ONLY)
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 8), (2, 8), (4, 4), (8, 2), (1, 16), (3, 5)])
+def test_few_slot_path_alone(num_tokens: int, top_k: int) -> None:
+    """T*K <= FEW_SLOTS: every call takes the few-slot path, no dispatch launch (the workspace's
+    block counts are left as they were). Garbage ids (duplicates served, -1, negative, >= E and
+    stale dropped and counted once by GEMM1), every num_valid 0..T as a device tensor, NaN
+    padding, poisoned outputs: equal to the reference, padded rows exact zeros."""
+    from safemoe.kernels.experts import FEW_SLOTS
+
+    assert num_tokens * top_k <= FEW_SLOTS
+    gen = torch.Generator().manual_seed(num_tokens * 100 + top_k)
+    num_experts, hidden, inter = 6, 48, 40
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    clean_x = torch.randn(num_tokens, hidden, generator=gen)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    views.num_blocks.fill_(7)
+    nv = torch.tensor(0)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        x = clean_x.clone()
+        x[num_valid:] = math.nan
+        health = new_health_tensor()
+        out = _run(x, w13, w2, weights, ids, num_valid=NumValid(None, nv), health=health, workspace=ws,
+                   out=poisoned(x.shape, torch.float32))
+        expected = experts_reference(clean_x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None))
+        assert_close(out, expected, what=f"num_valid={num_valid}")
+        assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+        dropped = dispatch_reference(ids, num_experts, NumValid(num_valid, None)).dropped
+        assert int(health[DROPPED_SLOTS]) == dropped, f"num_valid={num_valid}"
+    assert views.num_blocks.tolist() == [7, 7], "a few-slot bucket launched dispatch"
+
+
+@interpreter_only(INTERPRETER_ONLY)
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
+def test_few_slot_path_in_a_large_batch(one_launch: bool) -> None:
+    """A batch of T = 24 (K = 2) with its own, small-batch and few-slot tiles, all different: for
+    num_valid = 0..T (a device tensor, one reused workspace, duplicate and stale ids, NaN padding)
+    the few-slot path runs exactly when num_valid * K <= FEW_SLOTS (no M-block in either layout),
+    counts the dropped ids once, and equals, bit for bit, the same rows run as a batch of
+    num_valid tokens with the few-slot tiles alone."""
+    from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS
+
+    gen = torch.Generator().manual_seed(31)
+    num_tokens, num_experts, top_k, hidden, inter = 24, 6, 2, 48, 40
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    clean_x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    ids[1, 1] = ids[1, 0]  # a duplicate: both slots served
+    ids[2, 0] = -1
+    ids[3, 1] = num_experts
+    main = ExpertsConfig(32, GemmTiles(block_n=32, block_k=16, group_m=2, num_stages=1),
+                         GemmTiles(block_n=16, block_k=32, group_m=2, num_stages=1, tma=True),
+                         one_launch=one_launch)
+    small = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1, tma=True),
+                          GemmTiles(block_n=64, block_k=16, group_m=1, num_stages=1))
+    few = ExpertsConfig(16, GemmTiles(block_n=64, block_k=32, group_m=1, num_stages=1),
+                        GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1, tma=True))
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    nv = torch.tensor(0)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        x = clean_x.clone()
+        x[num_valid:] = math.nan
+        padded_ids = ids.clone()
+        padded_ids[num_valid:] = STALE_ID
+        health = new_health_tensor()
+        out = experts_triton(x, w13, w2, weights, padded_ids, activation="silu", num_valid=NumValid(None, nv),
+                             health=health, workspace=ws, out=poisoned(x.shape, torch.float32), config=main,
+                             small_config=small, few_config=few)
+        nv_ref = NumValid(num_valid, None)
+        assert_close(out, experts_reference(clean_x, w13, w2, weights, ids, num_valid=nv_ref))
+        assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+        assert int(health[DROPPED_SLOTS]) == dispatch_reference(ids, num_experts, nv_ref).dropped
+        is_few = num_valid * top_k <= FEW_SLOTS
+        is_small = num_valid <= SMALL_BATCH_TOKENS and not is_few
+        blocks = [int(b) for b in views.num_blocks]
+        assert (blocks[1] > 0) == is_small and (blocks[0] > 0) == (not is_small and not is_few), blocks
+        if is_few and num_valid:
+            rows = slice(0, num_valid)
+            alone = experts_triton(x[rows].contiguous(), w13, w2, weights[rows].contiguous(),
+                                   padded_ids[rows].contiguous(), activation="silu",
+                                   num_valid=NumValid(None, nv), health=None, config=few, few_config=few,
+                                   out=poisoned((num_valid, hidden), torch.float32))
+            assert_equal(out[rows], alone, what=f"num_valid={num_valid}: in T=24 vs a batch of {num_valid}")
+
+
+def test_few_config_errors() -> None:
+    """The few-slot path is refused, with its argument named, where it cannot run."""
+    tiles = GemmTiles(block_n=32, block_k=32)
+    cfg = ExpertsConfig(16, tiles, tiles)
+    x = torch.zeros(2, 32)
+    w13, w2 = torch.zeros(4, 64, 32), torch.zeros(4, 32, 32)
+    weights, ids = torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32)
+    nv = NumValid(2, None)
+    with pytest.raises(ValueError, match="small_config and few_config switch tiles by num_valid"):
+        experts_triton(x, w13, w2, weights, ids, activation="silu", num_valid=nv, health=None, config=cfg,
+                       few_config=cfg, batch_invariant=True)
+    wide_ids = torch.zeros(2, 17, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"few_config: .*K <= 16, got K=17"):
+        experts_triton(x, w13, w2, torch.ones(2, 17), wide_ids, activation="silu", num_valid=nv, health=None,
+                       config=cfg, few_config=cfg)
+    with pytest.raises(TypeError, match="few must be a bool, got int"):
+        ExpertsConfig(16, tiles, tiles, few=1)  # type: ignore[arg-type]
+    assert not ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, few=False).to_json()).few
+    assert ExpertsConfig.from_json({"block_m": 16, "gemm1": {"block_n": 32, "block_k": 32},
+                                    "gemm2": {"block_n": 32, "block_k": 32}}).few
+
+
+def test_few_slots_config_choice() -> None:
+    """Which tiles the few-slot path runs: a bucket with T*K <= 16 its own, a larger one those of
+    the largest such bucket; none with K > 16 or a config that turns it off."""
+    import dataclasses
+
+    from safemoe.configs import get_config
+    from safemoe.kernels.experts import few_slots_bucket, few_slots_config
+
+    assert [few_slots_bucket(k) for k in (1, 2, 3, 4, 5, 8, 10, 16, 17)] == [16, 8, 4, 4, 2, 2, 1, 1, 1]
+    dev = torch.device("cpu")
+    shape = (128, 2048, 768, 8, torch.bfloat16, dev)
+    num_experts, hidden, inter, _, dtype, _ = shape
+    own = get_config(2, *shape[:5], dev)
+    assert few_slots_config(2, *shape, own) is own
+    big = get_config(1024, *shape[:5], dev)
+    assert few_slots_config(1024, *shape, big) == get_config(2, *shape[:5], dev)
+    assert few_slots_config(1024, *shape, dataclasses.replace(big, few=False)) is None
+    assert few_slots_config(1, num_experts, hidden, inter, 17, dtype, dev, own) is None
 
 
 @interpreter_only(INTERPRETER_ONLY)
@@ -724,3 +858,58 @@ def test_both_tile_regimes_in_one_graph_qwen3(one_launch: bool, record_property)
         assert bitwise[count] or one_launch, f"num_valid={count}: two launches differ from the regime alone"
     record_property("bitwise_vs_regime_alone", bitwise)
     print(f"one launch vs the picked regime's tiles alone, bitwise equal per num_valid: {bitwise}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_few_slot_path_in_one_graph(model: str, record_property) -> None:
+    """The default configs of a real shape at T = 1024, one CUDA graph replayed with the device
+    num_valid in and out of the few-slot path (num_valid * K <= 16) and the small-batch regime,
+    with NaN rows, stale ids and a dropped id in the padding and real rows: valid rows match the
+    reference, padded rows are exact zeros, the dropped id is counted once per replay; the same
+    rows run as their own few-slot batch (T = num_valid, no dispatch launch) are recorded bitwise."""
+    from safemoe.kernels.experts import FEW_SLOTS
+
+    num_tokens = 1024
+    num_experts, top_k, hidden, inter, activation = MODEL_SHAPES[model]
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    clean_x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, clean_ids = _gpu_routing(num_tokens, top_k, num_experts)
+    clean_ids[0, top_k - 1] = -1  # dropped in every replay with num_valid >= 1
+    x, ids = clean_x.clone(), clean_ids.clone()
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    out = torch.empty_like(x)
+    health = new_health_tensor("cuda")
+
+    def step() -> None:
+        _run(x, w13, w2, weights, ids, activation=activation, num_valid=NumValid(None, nv), workspace=ws,
+             out=out, health=health)
+
+    graph, _ = capture_graph(step)
+    bitwise = {}
+    few_tokens = FEW_SLOTS // top_k
+    for count in (1, few_tokens, few_tokens + 1, 8, 9, num_tokens, 0, 2):
+        x.copy_(clean_x)
+        ids.copy_(clean_ids)
+        x[count:] = math.nan
+        ids[count:] = STALE_ID
+        nv.fill_(count)
+        out.fill_(math.nan)
+        health.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal(out[count:], torch.zeros_like(out[count:]), what=f"padded rows num_valid={count}")
+        assert int(health[DROPPED_SLOTS]) == (1 if count else 0), f"num_valid={count}"
+        if not count:
+            continue
+        ref = _reference(clean_x, w13, w2, weights, clean_ids, activation=activation, num_valid=count)
+        _check_rel(out[:count], ref[:count], f"graph num_valid={count}")
+        if count * top_k <= FEW_SLOTS:
+            rows = slice(0, count)
+            alone = _run(x[rows].contiguous(), w13, w2, weights[rows].contiguous(), ids[rows].contiguous(),
+                         activation=activation)
+            _check_rel(out[rows], alone, f"num_valid={count}: in T=1024 vs alone")
+            bitwise[count] = bool(torch.equal(out[rows].view(torch.int16), alone.view(torch.int16)))
+    record_property("few_slot_bitwise_vs_alone", bitwise)
+    print(f"{model}: few-slot rows in T=1024 vs a batch of their own, bitwise equal: {bitwise}")

@@ -44,7 +44,7 @@ BLOCK_M_CHOICES = (16, 32, 64, 128)
 # candidates at T = 1..8192 against each T's own config and writes the shape's "batch_invariant"
 # entry; `safemoe bench --suite invariance` measures what the mode costs.
 BATCH_INVARIANT_TOKENS = 1024
-_CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl", "one_launch")
+_CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl", "one_launch", "few")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,11 @@ class ExpertsConfig:
     then run with these num_warps/num_stages) instead of two launches, one of which finds no work:
     a tuned choice per bucket, since the merged kernel can cost the main tiles a few percent (H100,
     2026-11-24: Qwen3 T=256 +3.5%, DeepSeek-V3 T=2048 +4%) while it saves ~5 µs on a padded decode
-    step (Qwen3 and gpt-oss at T=1024 with one valid row)."""
+    step (Qwen3 and gpt-oss at T=1024 with one valid row). few: a batch of this bucket with at
+    most 16 valid slots (num_valid * K, read on the device) takes the few-slot path of
+    kernels/experts.py (each GEMM program builds the layout from the ids itself; no dispatch
+    kernel), with this config's tiles when the bucket is that small, else with those of the
+    largest such bucket; off, it runs the dispatch layout like any batch."""
 
     block_m: int
     gemm1: GemmTiles
@@ -80,6 +84,7 @@ class ExpertsConfig:
     programs_per_sm: int = 4
     pdl: bool = False
     one_launch: bool = False
+    few: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -90,8 +95,9 @@ class ExpertsConfig:
                 value = getattr(tiles, attr)
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"{name}.{attr} must be a power of two >= 16, got {value}")
-        if not isinstance(self.one_launch, bool):
-            raise TypeError(f"one_launch must be a bool, got {type(self.one_launch).__name__}")
+        for flag in ("one_launch", "few"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -107,6 +113,7 @@ class ExpertsConfig:
             programs_per_sm=int(data.get("programs_per_sm", 4)),
             pdl=bool(data.get("pdl", False)),
             one_launch=bool(data.get("one_launch", False)),
+            few=bool(data.get("few", True)),
             extra={k: v for k, v in data.items() if k not in _CONFIG_FIELDS},
         )
 

@@ -100,6 +100,7 @@ def _count_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_M_SMALL: tl.constexpr,
     SMALL_SLOTS: tl.constexpr,  # -1: no small-batch layout
+    FEW_SLOTS: tl.constexpr,  # -1: no few-slot path; else its GEMMs build their own layout up to this
     CHUNK: tl.constexpr,
     NUM_BINS: tl.constexpr,
     FILL: tl.constexpr,
@@ -113,7 +114,11 @@ def _count_kernel(
     valid_slots = num_valid * TOP_K
     slots = pid * CHUNK + tl.arange(0, CHUNK)
     bins = tl.arange(0, NUM_BINS)
-    if valid_slots <= CHUNK:
+    if valid_slots <= FEW_SLOTS:
+        # The GEMMs take the few-slot path (and count its dropped ids): no layout, no M-block.
+        if pid == 0:
+            tl.store(num_blocks_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+    elif valid_slots <= CHUNK:
         # One chunk holds every valid slot (decode, or a padded batch with few valid rows: decided
         # on the device, so a graph captured for many rows replays few at decode cost). Program 0
         # does it all from its own histogram: no counter, no ticket, no scatter launch.
@@ -190,13 +195,16 @@ def dispatch_into(
     health: torch.Tensor | None,
     *,
     small: tuple[int, int] | None = None,
+    few_slots: int = -1,
     use_pdl: bool = False,
 ) -> None:
     """Build the padded expert-sorted layout for `ids` into the workspace views (no allocation).
 
     small: (block_m, max slots) of the small-batch tiles: when num_valid * K <= max slots (read on
     the device) the layout uses that block_m and its count goes to num_blocks[1], else num_blocks[0]
-    (the other one is set to 0)."""
+    (the other one is set to 0). few_slots (-1: none): when num_valid * K <= few_slots (read on the device)
+    the GEMMs take the few-slot path (kernels/experts.py): no layout is built, both block counts
+    are set to 0, and the dropped ids are the GEMMs' to count."""
     num_tokens, top_k = ids.shape
     slots = num_tokens * top_k
     if slots == 0:
@@ -216,7 +224,8 @@ def dispatch_into(
         health if health is not None else ids,
         nv_count, num_tokens, num_experts, top_k,
         BLOCK_M=block_m, BLOCK_M_SMALL=small[0] if small else block_m,
-        SMALL_SLOTS=min(small[1], chunk) if small else -1, CHUNK=chunk, NUM_BINS=num_bins(num_experts),
+        SMALL_SLOTS=min(small[1], chunk) if small else -1, FEW_SLOTS=few_slots, CHUNK=chunk,
+        NUM_BINS=num_bins(num_experts),
         FILL=min(block_m, small[0] if small else block_m, _PADDING_FILL),
         HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl,
         num_warps=4, **launch_options(use_pdl),

@@ -54,6 +54,7 @@ from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.launch import (
     launch_options,
+    load_num_valid,
     pdl_supported,
     persistent_grid,
     rowwise_product,
@@ -65,6 +66,10 @@ from safemoe.workspace import Fp8Views, Workspace, WorkspaceViews, max_m_blocks,
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2}
 # num_valid at or below this (read on the device) runs the small-batch tiles in a larger batch.
 SMALL_BATCH_TOKENS = 8
+# num_valid * K at or below this (read on the device) runs the few-slot path: every GEMM program
+# builds the layout in its registers from the ids (no dispatch kernel), one FEW_SLOTS-row tile per
+# expert routed to. It is the M of the smallest tensor-core tile, so a tile holds every slot.
+FEW_SLOTS = 16
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 # fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
@@ -170,6 +175,109 @@ def _dequantize(acc, a_scale_rows_ptr, row_ok, w_scale_ptr, QUANT: tl.constexpr)
 
 
 @triton.jit
+def _few_slots(ids_ptr, valid_slots, num_experts, FEW: tl.constexpr):
+    """The few-slot layout, built in registers by every GEMM program from the ids themselves:
+    (slot [FEW], its expert or -1 when the slot is not served, its rank among the leaders or -1,
+    number of leaders, dropped slots). A leader is the first served slot of its expert: each tile
+    of the few-slot path is one leader's expert, whose rows are all the slots routed to it."""
+    slot = tl.arange(0, FEW)
+    in_rows = slot < valid_slots
+    expert = tl.load(ids_ptr + slot, mask=in_rows, other=-1)
+    served = in_rows & (expert >= 0) & (expert < num_experts)
+    expert = tl.where(served, expert, -1)
+    earlier_same = (expert[:, None] == expert[None, :]) & (slot[None, :] < slot[:, None])
+    leader = served & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
+    rank = tl.where(leader, tl.cumsum(leader.to(tl.int32), 0) - 1, -1)
+    dropped = tl.sum((in_rows & ~served).to(tl.int64), 0)
+    return slot, expert, rank, tl.sum(leader.to(tl.int32), 0), dropped
+
+
+@triton.jit
+def _few_tile_rows(tile, num_n_blocks, slot, expert, rank):
+    """(n_block, expert, rows, slots) of a few-slot tile: rows are slot numbers (the intermediate
+    is indexed by slot on this path), slots hold -1 where the slot is not the tile's expert's."""
+    leader = tile // num_n_blocks
+    tile_expert = tl.sum(tl.where(rank == leader, expert, 0), 0)
+    return tile % num_n_blocks, tile_expert, slot, tl.where(expert == tile_expert, slot, -1)
+
+
+@triton.jit
+def _gemm1_tile(
+    x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
+    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    up_scale_row, up_scale_offset,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """One GEMM1 tile: intermediate rows `rows` (columns of N-block n_block) from the x rows of
+    `slots` (-1: a masked row, neither loaded nor stored) and expert `expert`'s w13 (arguments as
+    in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K])."""
+    row_ok = slots >= 0
+    tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past I wrap onto valid rows of w13 (loads need no mask); they are never stored.
+    w_cols = (cols % inter).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
+    x_scale_rows = x_scale_ptr + tokens * x_scale_stride
+    w_scales = w13_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
+    # QUANT 2: each output column's row of 128x128 block scales (gate, then up)
+    gate_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
+    up_blocks = (up_scale_row + w_cols) // SCALE_BLOCK + up_scale_offset
+    up_scale_rows = w_scales + up_blocks * w_scale_row_stride
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        # Boxes past an expert's rows read the next rows (columns never stored), past the
+        # tensor or past H zeros (the descriptor's bounds).
+        gate_row = expert * 2 * inter + n_block * BLOCK_N
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = ks < hidden - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = _operand(a, UPCAST)
+            g = _operand(w13_arg.load([gate_row, k * BLOCK_K]), UPCAST)
+            u = _operand(w13_arg.load([gate_row + inter, k * BLOCK_K]), UPCAST)
+            a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
+            acc_gate = _mma(acc_gate, a, g.T, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
+                            ROWWISE)
+            acc_up = _mma(acc_up, a, u.T, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
+                          ROWWISE)
+            a_ptrs += BLOCK_K
+    else:
+        gate_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
+        up_ptrs = gate_ptrs + up_offset
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                g = tl.load(gate_ptrs)
+                u = tl.load(up_ptrs)
+            else:
+                k_ok = ks < hidden - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+                u = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+            a = _operand(a, UPCAST)
+            g = _operand(g, UPCAST)
+            u = _operand(u, UPCAST)
+            a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
+            acc_gate = _mma(acc_gate, a, g, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
+                            ROWWISE)
+            acc_up = _mma(acc_up, a, u, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+            a_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+    acc_gate = _dequantize(acc_gate, x_scale_rows, row_ok, w_scales, QUANT)
+    acc_up = _dequantize(acc_up, x_scale_rows, row_ok, w_scales + up_scale_offset, QUANT)
+    h = _activation(acc_gate, acc_up, ACTIVATION)
+    out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
+
+
+@triton.jit
 def _gemm1_tiles(
     x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr, w13_scale_ptr, inter_ptr,
     hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
@@ -178,74 +286,79 @@ def _gemm1_tiles(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    """GEMM1's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows with one set of
-    tiles (arguments as in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K])."""
+    """GEMM1's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows of the dispatch
+    layout with one set of tiles."""
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     for tile in range(tl.program_id(0), num_m_blocks * num_n_blocks, tl.num_programs(0)):
         n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
                                                   sorted_slots_ptr, BLOCK_M, GROUP_M)
-        row_ok = slots >= 0
-        tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
-        cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Columns past I wrap onto valid rows of w13 (loads need no mask); they are never stored.
-        w_cols = (cols % inter).to(tl.int64)
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
-        x_scale_rows = x_scale_ptr + tokens * x_scale_stride
-        w_scales = w13_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
-        # QUANT 2: each output column's row of 128x128 block scales (gate, then up)
-        gate_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
-        up_blocks = (up_scale_row + w_cols) // SCALE_BLOCK + up_scale_offset
-        up_scale_rows = w_scales + up_blocks * w_scale_row_stride
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
-            # Boxes past an expert's rows read the next rows (columns never stored), past the
-            # tensor or past H zeros (the descriptor's bounds).
-            gate_row = expert * 2 * inter + n_block * BLOCK_N
-            for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                else:
-                    k_ok = ks < hidden - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                a = _operand(a, UPCAST)
-                g = _operand(w13_arg.load([gate_row, k * BLOCK_K]), UPCAST)
-                u = _operand(w13_arg.load([gate_row + inter, k * BLOCK_K]), UPCAST)
-                a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc_gate = _mma(acc_gate, a, g.T, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
-                                ROWWISE)
-                acc_up = _mma(acc_up, a, u.T, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
-                              ROWWISE)
-                a_ptrs += BLOCK_K
+        _gemm1_tile(x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
+                    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                    w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+
+
+@triton.jit
+def _gemm1_few_tiles(
+    x_ptr, w13_arg, ids_ptr, valid_slots, num_experts, health_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr,
+    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    up_scale_row, up_scale_offset,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
+    FEW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr, HAS_HEALTH: tl.constexpr,
+):
+    """GEMM1 over the few-slot layout (valid_slots <= FEW): one tile per (expert routed to, N-block),
+    with FEW rows; program 0 counts the dropped slots (no dispatch kernel ran for them)."""
+    slot, expert, rank, leaders, dropped = _few_slots(ids_ptr, valid_slots, num_experts, FEW)
+    if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
+        if tl.program_id(0) == 0:
+            tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
+    num_n_blocks = tl.cdiv(inter, BLOCK_N)
+    for tile in range(tl.program_id(0), leaders * num_n_blocks, tl.num_programs(0)):
+        n_block, tile_expert, rows, slots = _few_tile_rows(tile, num_n_blocks, slot, expert, rank)
+        _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
+                    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                    w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
+                    FEW, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+
+
+@triton.jit
+def _gemm1_layout_tiles(
+    x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr, x_scale_ptr,
+    w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride, up_offset, x_scale_stride,
+    w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, NUM_BINS: tl.constexpr, QUANT: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, HAS_SMALL: tl.constexpr,
+    SMALL_BLOCK_M: tl.constexpr, SMALL_BLOCK_N: tl.constexpr, SMALL_BLOCK_K: tl.constexpr,
+    SMALL_GROUP_M: tl.constexpr, SMALL_EVEN_K: tl.constexpr, SMALL_USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """GEMM1 over the dispatch layout: the main tiles, or (HAS_SMALL) the small-batch ones when
+    dispatch built their layout."""
+    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
+    if HAS_SMALL:
+        # Dispatch built one of the two layouts (its block_end is the one in block_end_ptr) and set
+        # the other's M-block count to 0: one launch serves both regimes.
+        num_small_blocks = tl.load(num_blocks_ptr + 1)
+        if num_small_blocks > 0:
+            _gemm1_tiles(x_ptr, w13_small_arg, sorted_slots_ptr, num_small_blocks, block_end, x_scale_ptr,
+                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
+                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                         TOP_K, ACTIVATION, QUANT, UPCAST, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K,
+                         SMALL_GROUP_M, SMALL_EVEN_K, DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
         else:
-            gate_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
-            up_ptrs = gate_ptrs + up_offset
-            for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                    g = tl.load(gate_ptrs)
-                    u = tl.load(up_ptrs)
-                else:
-                    k_ok = ks < hidden - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    g = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-                    u = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-                a = _operand(a, UPCAST)
-                g = _operand(g, UPCAST)
-                u = _operand(u, UPCAST)
-                a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc_gate = _mma(acc_gate, a, g, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
-                                ROWWISE)
-                acc_up = _mma(acc_up, a, u, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
-                a_ptrs += BLOCK_K
-                gate_ptrs += BLOCK_K
-                up_ptrs += BLOCK_K
-        acc_gate = _dequantize(acc_gate, x_scale_rows, row_ok, w_scales, QUANT)
-        acc_up = _dequantize(acc_up, x_scale_rows, row_ok, w_scales + up_scale_offset, QUANT)
-        h = _activation(acc_gate, acc_up, ACTIVATION)
-        out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
-        tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
+            _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
+                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
+                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                         TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                         DOT_PRECISION, USE_TMA, ROWWISE)
+    else:
+        _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
+                     w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
+                     w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                     TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                     DOT_PRECISION, USE_TMA, ROWWISE)
 
 
 @triton.jit
@@ -255,14 +368,20 @@ def _gemm1_kernel(
     w13_arg,  # pointer to [E, 2I, H] (gate rows [0, I), up rows [I, 2I)), or with USE_TMA a
     #           tensor descriptor over its [E*2I, H] view with [BLOCK_N, BLOCK_K] boxes
     w13_small_arg,  # HAS_SMALL: w13 again, with SMALL_USE_TMA a descriptor with the small tiles' boxes
+    w13_few_arg,  # FEW > 0: w13 again, with FEW_USE_TMA a descriptor with the few-slot tiles' boxes
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
     num_blocks_ptr,  # [2] int32: M-blocks of the main layout, of the small-batch layout (one is 0)
+    ids_ptr,  # FEW > 0: [T, K] int32 routing ids (the few-slot path reads them itself)
+    num_valid_ptr,  # FEW > 0 and HAS_NUM_VALID_PTR: 0-dim int32/int64
+    health_ptr,  # FEW > 0 and HAS_HEALTH: [8] int64
     x_scale_ptr,  # QUANT: [T, x_scale_stride] float32 per-token (1) or 1x128-group scales of x
     w13_scale_ptr,  # QUANT 1: [E] or [E, 2] float32; QUANT 2: [E, rows of 128-blocks, ceil(H/128)]
     # outputs
-    inter_ptr,  # [capacity, I]
+    inter_ptr,  # [capacity, I]: rows at sorted positions, or at slot numbers on the few-slot path
     # shapes
+    num_valid_count,
+    num_tokens,
     hidden,
     inter,
     num_experts,
@@ -293,34 +412,102 @@ def _gemm1_kernel(
     SMALL_GROUP_M: tl.constexpr,
     SMALL_EVEN_K: tl.constexpr,
     SMALL_USE_TMA: tl.constexpr,
+    # few-slot path (FEW > 0): num_valid * K <= FEW slots (read on the device), or always (ONLY_FEW)
+    FEW: tl.constexpr,
+    ONLY_FEW: tl.constexpr,
+    FEW_BLOCK_N: tl.constexpr,
+    FEW_BLOCK_K: tl.constexpr,
+    FEW_EVEN_K: tl.constexpr,
+    FEW_USE_TMA: tl.constexpr,
+    HAS_NUM_VALID_PTR: tl.constexpr,
+    HAS_HEALTH: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
 ):
     wait_for_previous_kernel(USE_PDL)
-    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
-    if HAS_SMALL:
-        # Dispatch built one of the two layouts (its block_end is the one in block_end_ptr) and set
-        # the other's M-block count to 0: one launch serves both regimes.
-        num_small_blocks = tl.load(num_blocks_ptr + 1)
-        if num_small_blocks > 0:
-            _gemm1_tiles(x_ptr, w13_small_arg, sorted_slots_ptr, num_small_blocks, block_end, x_scale_ptr,
-                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
-                         TOP_K, ACTIVATION, QUANT, UPCAST, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K,
-                         SMALL_GROUP_M, SMALL_EVEN_K, DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
-        else:
-            _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
-                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
-                         TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                         DOT_PRECISION, USE_TMA, ROWWISE)
+    if FEW > 0:
+        valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
+        if valid_slots <= FEW:
+            _gemm1_few_tiles(x_ptr, w13_few_arg, ids_ptr, valid_slots, num_experts, health_ptr, x_scale_ptr,
+                             w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset,
+                             x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row,
+                             up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST, FEW, FEW_BLOCK_N,
+                             FEW_BLOCK_K, FEW_EVEN_K, DOT_PRECISION, FEW_USE_TMA, ROWWISE, HAS_HEALTH)
+        elif not ONLY_FEW:  # (compiled out when every call takes the few-slot path)
+            _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr,
+                                num_blocks_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter,
+                                num_experts, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                                w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION,
+                                NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA,
+                                HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
+                                SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE)
     else:
-        _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
-                     w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                     w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
-                     TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                     DOT_PRECISION, USE_TMA, ROWWISE)
+        _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr,
+                            x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride,
+                            up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+                            up_scale_row, up_scale_offset, TOP_K, ACTIVATION, NUM_BINS, QUANT, UPCAST,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M,
+                            SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA,
+                            DOT_PRECISION, ROWWISE)
+
+
+@triton.jit
+def _gemm2_tile(
+    inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr, w2_scale_ptr,
+    y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """One GEMM2 tile: y rows of `slots` (columns of N-block n_block, each scaled by its slot's
+    routing weight) from the intermediate rows `rows` and expert `expert`'s w2 (arguments as in
+    _gemm2_kernel)."""
+    row_ok = slots >= 0
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = (cols % hidden).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    # Padding rows of the intermediate were never written: masked, never read.
+    a_ptrs = inter_ptr + rows64[:, None] * inter + ks[None, :]
+    a_scale_rows = inter_scale_ptr + rows64 * inter_scale_stride
+    w_scales = w2_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
+    w_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride  # QUANT 2
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        w_row = expert * hidden + n_block * BLOCK_N
+        for k in range(0, tl.cdiv(inter, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < inter - k * BLOCK_K)[None, :], other=0.0)
+            a = _operand(a, UPCAST)
+            b = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
+            a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
+            acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+            a_ptrs += BLOCK_K
+    else:
+        b_ptrs = w2_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
+        for k in range(0, tl.cdiv(inter, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = ks < inter - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a = _operand(a, UPCAST)
+            b = _operand(b, UPCAST)
+            a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
+            acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    acc = _dequantize(acc, a_scale_rows, row_ok, w_scales, QUANT)
+    safe_slots = tl.where(row_ok, slots, 0)
+    weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
+    acc = acc * weight[:, None]
+    out_ptrs = y_ptr + safe_slots.to(tl.int64)[:, None] * hidden + cols[None, :]
+    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < hidden)[None, :])
 
 
 @triton.jit
@@ -331,57 +518,68 @@ def _gemm2_tiles(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    """GEMM2's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows with one set of
-    tiles (arguments as in _gemm2_kernel)."""
+    """GEMM2's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows of the dispatch
+    layout with one set of tiles."""
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     for tile in range(tl.program_id(0), num_m_blocks * num_n_blocks, tl.num_programs(0)):
         n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
                                                   sorted_slots_ptr, BLOCK_M, GROUP_M)
-        row_ok = slots >= 0
-        cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_cols = (cols % hidden).to(tl.int64)
-        ks = tl.arange(0, BLOCK_K)
-        rows64 = rows.to(tl.int64)
-        # Padding rows of the intermediate were never written: masked, never read.
-        a_ptrs = inter_ptr + rows64[:, None] * inter + ks[None, :]
-        a_scale_rows = inter_scale_ptr + rows64 * inter_scale_stride
-        w_scales = w2_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
-        w_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride  # QUANT 2
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
-            w_row = expert * hidden + n_block * BLOCK_N
-            for k in range(0, tl.cdiv(inter, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < inter - k * BLOCK_K)[None, :], other=0.0)
-                a = _operand(a, UPCAST)
-                b = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
-                a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
-                a_ptrs += BLOCK_K
+        _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr,
+                    w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
+                    w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                    EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+
+
+@triton.jit
+def _gemm2_few_tiles(
+    inter_ptr, w2_arg, weights_ptr, ids_ptr, valid_slots, num_experts, inter_scale_ptr, w2_scale_ptr,
+    y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, FEW: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """GEMM2 over the few-slot layout, the tiles of _gemm1_few_tiles."""
+    slot, expert, rank, leaders, _ = _few_slots(ids_ptr, valid_slots, num_experts, FEW)
+    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
+    for tile in range(tl.program_id(0), leaders * num_n_blocks, tl.num_programs(0)):
+        n_block, tile_expert, rows, slots = _few_tile_rows(tile, num_n_blocks, slot, expert, rank)
+        _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, tile_expert, rows, slots, inter_scale_ptr,
+                    w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
+                    w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, FEW, BLOCK_N, BLOCK_K, EVEN_K,
+                    DOT_PRECISION, USE_TMA, ROWWISE)
+
+
+@triton.jit
+def _gemm2_layout_tiles(
+    inter_ptr, w2_arg, w2_small_arg, weights_ptr, sorted_slots_ptr, block_end_ptr, num_blocks_ptr,
+    inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, num_experts, expert_stride, inter_scale_stride,
+    w_scale_expert_stride, w_scale_row_stride,
+    NUM_BINS: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_SMALL: tl.constexpr, SMALL_BLOCK_M: tl.constexpr, SMALL_BLOCK_N: tl.constexpr,
+    SMALL_BLOCK_K: tl.constexpr, SMALL_GROUP_M: tl.constexpr, SMALL_EVEN_K: tl.constexpr,
+    SMALL_USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """GEMM2 over the dispatch layout, main or small-batch tiles as in _gemm1_layout_tiles."""
+    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
+    if HAS_SMALL:
+        num_small_blocks = tl.load(num_blocks_ptr + 1)
+        if num_small_blocks > 0:
+            _gemm2_tiles(inter_ptr, w2_small_arg, weights_ptr, sorted_slots_ptr, num_small_blocks, block_end,
+                         inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
+                         inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
+                         SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K,
+                         DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
         else:
-            b_ptrs = w2_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
-            for k in range(0, tl.cdiv(inter, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = ks < inter - k * BLOCK_K
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-                a = _operand(a, UPCAST)
-                b = _operand(b, UPCAST)
-                a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
-                acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K
-        acc = _dequantize(acc, a_scale_rows, row_ok, w_scales, QUANT)
-        safe_slots = tl.where(row_ok, slots, 0)
-        weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
-        acc = acc * weight[:, None]
-        out_ptrs = y_ptr + safe_slots.to(tl.int64)[:, None] * hidden + cols[None, :]
-        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < hidden)[None, :])
+            _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
+                         inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
+                         inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+    else:
+        _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
+                     inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
+                     w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                     GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
 
 
 @triton.jit
@@ -390,15 +588,20 @@ def _gemm2_kernel(
     inter_ptr,  # [capacity, I] intermediate, or (QUANT) its fp8 rows
     w2_arg,  # pointer to [E, H, I], or with USE_TMA a descriptor over [E*H, I], [BLOCK_N, BLOCK_K] boxes
     w2_small_arg,  # HAS_SMALL: w2 again, with SMALL_USE_TMA a descriptor with the small tiles' boxes
+    w2_few_arg,  # FEW > 0: w2 again, with FEW_USE_TMA a descriptor with the few-slot tiles' boxes
     weights_ptr,  # [T, K] float32, indexed by slot
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
     num_blocks_ptr,  # [2] int32: M-blocks of the main layout, of the small-batch layout (one is 0)
+    ids_ptr,  # FEW > 0: [T, K] int32 routing ids
+    num_valid_ptr,  # FEW > 0 and HAS_NUM_VALID_PTR: 0-dim int32/int64
     inter_scale_ptr,  # QUANT: [capacity, inter_scale_stride] float32 scales of the intermediate rows
     w2_scale_ptr,  # QUANT 1: [E] float32; QUANT 2: [E, ceil(H/128), ceil(I/128)]
     # outputs
     y_ptr,  # [T*K, H]
     # shapes
+    num_valid_count,
+    num_tokens,
     hidden,
     inter,
     num_experts,
@@ -406,6 +609,7 @@ def _gemm2_kernel(
     inter_scale_stride,  # QUANT: scale columns per intermediate row
     w_scale_expert_stride,  # QUANT: scales per expert
     w_scale_row_stride,  # QUANT 2: ceil(I/128)
+    TOP_K: tl.constexpr,
     NUM_BINS: tl.constexpr,
     QUANT: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -424,31 +628,41 @@ def _gemm2_kernel(
     SMALL_GROUP_M: tl.constexpr,
     SMALL_EVEN_K: tl.constexpr,
     SMALL_USE_TMA: tl.constexpr,
+    # few-slot path, as in _gemm1_kernel
+    FEW: tl.constexpr,
+    ONLY_FEW: tl.constexpr,
+    FEW_BLOCK_N: tl.constexpr,
+    FEW_BLOCK_K: tl.constexpr,
+    FEW_EVEN_K: tl.constexpr,
+    FEW_USE_TMA: tl.constexpr,
+    HAS_NUM_VALID_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
 ):
     wait_for_previous_kernel(USE_PDL)
-    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
-    if HAS_SMALL:
-        # As in _gemm1_kernel: the layout dispatch built decides the tiles.
-        num_small_blocks = tl.load(num_blocks_ptr + 1)
-        if num_small_blocks > 0:
-            _gemm2_tiles(inter_ptr, w2_small_arg, weights_ptr, sorted_slots_ptr, num_small_blocks, block_end,
-                         inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
-                         inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
-                         SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K,
-                         DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
-        else:
-            _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
-                         inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
-                         inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+    if FEW > 0:
+        valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
+        if valid_slots <= FEW:
+            _gemm2_few_tiles(inter_ptr, w2_few_arg, weights_ptr, ids_ptr, valid_slots, num_experts,
+                             inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
+                             inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
+                             FEW, FEW_BLOCK_N, FEW_BLOCK_K, FEW_EVEN_K, DOT_PRECISION, FEW_USE_TMA, ROWWISE)
+        elif not ONLY_FEW:  # (compiled out when every call takes the few-slot path)
+            _gemm2_layout_tiles(inter_ptr, w2_arg, w2_small_arg, weights_ptr, sorted_slots_ptr, block_end_ptr,
+                                num_blocks_ptr, inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter,
+                                num_experts, expert_stride, inter_scale_stride, w_scale_expert_stride,
+                                w_scale_row_stride, NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N,
+                                SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION,
+    ROWWISE)
     else:
-        _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
-                     inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
-                     w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+        _gemm2_layout_tiles(inter_ptr, w2_arg, w2_small_arg, weights_ptr, sorted_slots_ptr, block_end_ptr,
+                            num_blocks_ptr, inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, num_experts,
+                            expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+                            NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA,
+                            HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
+                            SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -524,15 +738,46 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreter_enabled()
 
 
+@dataclass(frozen=True)
+class FewSlots:
+    """The few-slot path of one call: the tiles its GEMMs run (`config`'s gemm1/gemm2; its block_m
+    is FEW_SLOTS whatever the config says), what its programs read to build the layout (ids,
+    num_valid, and health for the slots they drop), and `only`: T*K <= FEW_SLOTS, so every call
+    takes it (no dispatch launch; the GEMMs are compiled with this path alone)."""
+
+    config: ExpertsConfig
+    ids: torch.Tensor
+    num_valid: NumValid
+    health: torch.Tensor | None
+    only: bool
+
+    def kernel_args(self) -> dict[str, object]:
+        has_nv_ptr = self.num_valid.tensor is not None
+        return {
+            "ids_ptr": self.ids, "num_valid_ptr": self.num_valid.tensor if has_nv_ptr else self.ids,
+            "num_valid_count": self.ids.shape[0] if self.num_valid.count is None else self.num_valid.count,
+            "HAS_NUM_VALID_PTR": has_nv_ptr,
+        }
+
+
+def _no_few_args(ids_like: torch.Tensor, num_tokens: int) -> dict[str, object]:
+    return {"ids_ptr": ids_like, "num_valid_ptr": ids_like, "num_valid_count": num_tokens,
+            "HAS_NUM_VALID_PTR": False}
+
+
 def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: int, top_k: int,
              cfg: ExpertsConfig, tiles: GemmTiles, small: ExpertsConfig | None,
-             small_tiles: GemmTiles | None) -> tuple[object, int, dict[str, object]]:
-    """(small weight operand, grid, tile constexprs) of one GEMM launch serving both tile regimes.
+             small_tiles: GemmTiles | None, few: FewSlots | None,
+             few_tiles: GemmTiles | None) -> tuple[object, object, int, dict[str, object], GemmTiles]:
+    """(small weight operand, few-slot weight operand, grid, tile constexprs, tiles that set
+    num_warps/num_stages) of one GEMM launch serving every tile regime it holds.
 
-    The grid is the larger of the two regimes' persistent grids (main: the M-blocks T tokens can
-    produce; small: those of min(T, SMALL_BATCH_TOKENS) tokens), so it depends on T alone. Without
-    a small config, HAS_SMALL=False compiles the single-regime kernel; its SMALL_* constexprs then
-    repeat the main ones (unused)."""
+    The grid is the largest of the regimes' persistent grids (main: the M-blocks T tokens can
+    produce; small: those of min(T, SMALL_BATCH_TOKENS) tokens; few: one tile per slot and
+    N-block), so it depends on T alone. Without a small config, HAS_SMALL=False compiles the
+    single-regime kernel; its SMALL_* constexprs then repeat the main ones (unused); likewise FEW=0
+    without the few-slot path. A launch that only takes the few-slot path runs its tiles' warps
+    and stages; any other, the main config's."""
     num_experts = weight.shape[0]
     n_blocks = triton.cdiv(out_cols, tiles.block_n)
     main_count = max_m_blocks(num_tokens, num_experts, top_k, cfg.block_m) * n_blocks
@@ -541,10 +786,26 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
         "BLOCK_M": cfg.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
         "EVEN_K": reduction % tiles.block_k == 0, "USE_TMA": _use_tma(weight, tiles),
     }
-    if small is None or small_tiles is None:
-        meta.update({"HAS_SMALL": False, **{f"SMALL_{name}": value for name, value in meta.items()}})
+    launch_tiles = tiles
+    few_arg: object = weight
+    if few is None or few_tiles is None:
+        meta.update({"FEW": 0, "ONLY_FEW": False, "FEW_BLOCK_N": tiles.block_n, "FEW_BLOCK_K": tiles.block_k,
+                     "FEW_EVEN_K": meta["EVEN_K"], "FEW_USE_TMA": False})
+    else:
+        few_count = min(FEW_SLOTS, num_tokens * top_k) * triton.cdiv(out_cols, few_tiles.block_n)
+        few_grid = persistent_grid(few_count, weight.device, few.config.programs_per_sm)
+        grid = few_grid if few.only else max(grid, few_grid)
+        meta.update({"FEW": FEW_SLOTS, "ONLY_FEW": few.only, "FEW_BLOCK_N": few_tiles.block_n,
+                     "FEW_BLOCK_K": few_tiles.block_k, "FEW_EVEN_K": reduction % few_tiles.block_k == 0,
+                     "FEW_USE_TMA": _use_tma(weight, few_tiles)})
+        few_arg = _weight_operand(weight, few_tiles)
+        if few.only:
+            launch_tiles = few_tiles
+    if small is None or small_tiles is None or (few is not None and few.only):
+        meta.update({"HAS_SMALL": False, **{f"SMALL_{name}": meta[name] for name in
+                                            ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K")}})
         meta["SMALL_USE_TMA"] = False
-        return weight, grid, meta
+        return weight, few_arg, grid, meta, launch_tiles
     small_tokens = min(num_tokens, SMALL_BATCH_TOKENS)
     small_n_blocks = triton.cdiv(out_cols, small_tiles.block_n)
     small_count = max_m_blocks(small_tokens, num_experts, top_k, small.block_m) * small_n_blocks
@@ -554,7 +815,7 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
         "SMALL_BLOCK_K": small_tiles.block_k, "SMALL_GROUP_M": small_tiles.group_m,
         "SMALL_EVEN_K": reduction % small_tiles.block_k == 0, "SMALL_USE_TMA": _use_tma(weight, small_tiles),
     })
-    return _weight_operand(weight, small_tiles), grid, meta
+    return _weight_operand(weight, small_tiles), few_arg, grid, meta, launch_tiles
 
 
 # A merged launch (one_launch) has one num_warps/num_stages: the main config's. The small tiles
@@ -567,21 +828,23 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
 
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
                cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
-               max_tokens: int | None = None, use_pdl: bool = False,
+               max_tokens: int | None = None, few: FewSlots | None = None, use_pdl: bool = False,
                fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
     """GEMM1 over the dispatch layout: with `small` (the small-batch tiles) the kernel reads
     views.num_blocks[1] on the device and runs the small tiles over that layout when it is > 0,
     else `cfg`'s tiles over views.num_blocks[0]. Without `small`, `cfg`'s tiles over the layout
     views.num_blocks[layout] counts, the grid covering the M-blocks `max_tokens` (default T) tokens
-    can produce. With fp8, x is ignored for its quantised rows in fp8.views (w13 is the fp8
-    weights)."""
+    can produce. With `few`, a batch of at most FEW_SLOTS valid slots (read on the device) takes
+    the few-slot path instead (always, with few.only). With fp8, x is ignored for its quantised
+    rows in fp8.views (w13 is the fp8 weights)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     tiles: GemmTiles = cfg.gemm1
     rows = num_tokens if max_tokens is None else max_tokens
-    small_arg, grid, meta = _regimes(w13, hidden, inter, rows, top_k, cfg, tiles, small,
-                                     small.gemm1 if small is not None else None)
+    small_arg, few_arg, grid, meta, launch = _regimes(
+        w13, hidden, inter, rows, top_k, cfg, tiles, small, small.gemm1 if small is not None else None,
+        few, few.config.gemm1 if few is not None else None)
     a = x if fp8 is None else fp8.views.x
     if fp8 is None:
         a_scale, w_scale, strides = x, x, dict(_NO_SCALES)
@@ -590,32 +853,39 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         up_rows = (0, triton.cdiv(inter, FP8_BLOCK)) if split else (inter, 0)
         a_scale, w_scale = fp8.views.x_scale, fp8.weights.w13_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
+    few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
+    health = few.health if few is not None else None
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
+    # (few-slot path: over (expert routed to, N-block) tiles)
     _gemm1_kernel[(grid,)](
-        a, _weight_operand(w13, tiles), small_arg, views.sorted_slots, views.block_end,
-        views.num_blocks[layout:],
+        a, _weight_operand(w13, tiles), small_arg, few_arg, views.sorted_slots, views.block_end,
+        views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"],
+        health if health is not None else views.num_blocks,
         a_scale, w_scale,
         views.intermediate,
+        few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
         QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype), **meta,
+        HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], HAS_HEALTH=health is not None,
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
 
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
                cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
-               max_tokens: int | None = None, use_pdl: bool = False,
+               max_tokens: int | None = None, few: FewSlots | None = None, use_pdl: bool = False,
                fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
-    """GEMM2 over the dispatch layout, main or small tiles (or one layout) as in gemm1_into; with
-    fp8 its A rows are the quantised intermediate in fp8.views."""
+    """GEMM2 over the dispatch layout, main or small tiles (or one layout), or the few-slot path, as
+    in gemm1_into; with fp8 its A rows are the quantised intermediate in fp8.views."""
     num_experts, hidden, inter = w2.shape
     tiles: GemmTiles = cfg.gemm2
     rows = num_tokens if max_tokens is None else max_tokens
-    small_arg, grid, meta = _regimes(w2, inter, hidden, rows, top_k, cfg, tiles, small,
-                                     small.gemm2 if small is not None else None)
+    small_arg, few_arg, grid, meta, launch = _regimes(
+        w2, inter, hidden, rows, top_k, cfg, tiles, small, small.gemm2 if small is not None else None,
+        few, few.config.gemm2 if few is not None else None)
     a = views.intermediate if fp8 is None else fp8.views.inter
     if fp8 is None:
         a_scale, w_scale, strides = a, a, dict(_NO_SCALES)
@@ -623,15 +893,18 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         a_scale, w_scale = fp8.views.inter_scale, fp8.weights.w2_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode)
     del strides["up_scale_row"], strides["up_scale_offset"]
+    few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
     _gemm2_kernel[(grid,)](
-        a, _weight_operand(w2, tiles), small_arg, weights, views.sorted_slots, views.block_end,
-        views.num_blocks[layout:], a_scale, w_scale,
+        a, _weight_operand(w2, tiles), small_arg, few_arg, weights, views.sorted_slots, views.block_end,
+        views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"], a_scale, w_scale,
         views.y,
+        few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
-        NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype), **meta,
+        TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
+        **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"],
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(use_pdl),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
 
 
@@ -647,6 +920,25 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
         return None
     small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
     return small if small.block_m < cfg.block_m else None
+
+
+def few_slots_bucket(top_k: int) -> int:
+    """The largest token bucket whose every batch takes the few-slot path (T*K <= FEW_SLOTS)."""
+    return 1 << max(0, (max(1, FEW_SLOTS // top_k)).bit_length() - 1)
+
+
+def few_slots_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                     dtype: torch.dtype, device: torch.device, cfg: ExpertsConfig) -> ExpertsConfig | None:
+    """The tiles of the few-slot path for a batch of T tokens whose own config is `cfg`, or None
+    when it is off: K > FEW_SLOTS, or `cfg.few` is False (a tuned per-bucket choice). A bucket
+    that always takes it (T*K <= FEW_SLOTS) runs its own tiles; a larger one those of
+    `few_slots_bucket(K)` tokens."""
+    if top_k > FEW_SLOTS or not cfg.few:
+        return None
+    if num_tokens * top_k <= FEW_SLOTS:
+        return cfg
+    few = get_config(few_slots_bucket(top_k), num_experts, hidden, inter, top_k, dtype, device)
+    return few if few.few else None
 
 
 def _check_fp8_config(cfg: ExpertsConfig | None, weights: Fp8Weights | None) -> None:
@@ -673,6 +965,7 @@ def experts_triton(
     out: torch.Tensor | None = None,
     config: ExpertsConfig | None = None,
     small_config: ExpertsConfig | None = None,
+    few_config: ExpertsConfig | None = None,
     fp8: Fp8Weights | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
@@ -692,6 +985,16 @@ def experts_triton(
     deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS, one_launch), and a row's bits do
     not depend on what padding rows hold. Launches: dispatch (one, or count + scatter when T*K >
     1024 slots), GEMM1, GEMM2, combine: four or five, and two more with separate small tiles.
+
+    Few slots (`few_config`; default, with `config` None: `few_slots_config`, on unless the tuned
+    config turns it off): a batch with num_valid * K <= FEW_SLOTS (16, read on the device) skips the
+    sorted layout. Each GEMM program reads the <= 16 ids itself, and each expert routed to is one
+    tile of 16 rows (its slots; the intermediate is indexed by slot), run with `few_config`'s tiles
+    in the GEMMs' own launch; dispatch then only zeroes its block counts, and a bucket with T*K <= 16
+    launches no dispatch at all (GEMM1 counts the dropped ids into health). Three launches at
+    decode instead of four: the fused tiny-batch dispatch that issue 13 names (vLLM and SGLang
+    take a different route there: their align kernel still runs, sized for the tiny batch). Not
+    with fp8 or batch_invariant (results would then depend on num_valid's regime).
 
     batch_invariant: one configuration for every T and no small-batch switch, so a valid row's
     output is bitwise the same whatever T, num_valid and the other rows hold. The configuration is
@@ -719,9 +1022,13 @@ def experts_triton(
         )
     _check_fp8_config(config, fp8)
     _check_fp8_config(small_config, fp8)
-    if batch_invariant and small_config is not None:
-        raise ValueError("small_config switches tiles by num_valid; batch_invariant=True runs one config for "
-                         "every batch (pass config= alone)")
+    if batch_invariant and (small_config is not None or few_config is not None):
+        raise ValueError("small_config and few_config switch tiles by num_valid; batch_invariant=True runs "
+                         "one config for every batch (pass config= alone)")
+    if few_config is not None and (fp8 is not None or top_k > FEW_SLOTS):
+        got = "fp8 weights" if fp8 is not None else f"K={top_k}"
+        raise ValueError(f"few_config: the few-slot path takes bf16/fp16/fp32 weights and K <= {FEW_SLOTS}, "
+                         f"got {got}")
     if num_tokens == 0:
         return out
     if batch_invariant:
@@ -731,6 +1038,9 @@ def experts_triton(
         config = get_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device, quant)
         small_config = small_batch_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device,
                                           config, quant)
+        if fp8 is None:
+            few_config = few_slots_config(num_tokens, num_experts, hidden, inter, top_k, x.dtype, x.device,
+                                          config)
     if workspace is None:
         workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device,
                               fp8=fp8 is not None)
@@ -748,12 +1058,22 @@ def experts_triton(
         operands = Fp8Operands(fp8, workspace.fp8_views(num_tokens, num_experts, top_k, hidden, inter, group))
         quantize_rows_into(x, operands.views.x, operands.views.x_scale, group or hidden, num_valid,
                            use_pdl=use_pdl)
-    dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small, use_pdl=use_pdl)
+    few = None
+    if few_config is not None:
+        only = num_tokens * top_k <= FEW_SLOTS
+        few = FewSlots(few_config, ids, num_valid, health, only)
+        if only:
+            # Every call takes the few-slot path: its tiles alone, no dispatch, no small tiles.
+            config, small_config, small = few_config, None, None
+            use_pdl = config.pdl and x.device.type == "cuda" and pdl_supported()
+    if few is None or not few.only:
+        dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small,
+                      few_slots=FEW_SLOTS if few is not None else -1, use_pdl=use_pdl)
     rowwise = batch_invariant and interpreter_enabled()
     # The small-batch tiles in the GEMMs' own launch (config.one_launch) or in a second launch each.
     merged = small_config if small_config is not None and config.one_launch else None
     separate = small_config if merged is None else None
-    gemm1_into(x, w13, views, top_k, activation, config, small=merged, use_pdl=use_pdl, fp8=operands,
+    gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl, fp8=operands,
                rowwise=rowwise)
     if separate is not None:
         gemm1_into(x, w13, views, top_k, activation, separate, layout=1, max_tokens=small_tokens,
@@ -768,7 +1088,7 @@ def experts_triton(
         quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
                                 operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
                                 small_block_m, positions, use_pdl=use_pdl)
-    gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, use_pdl=use_pdl,
+    gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
                fp8=operands, rowwise=rowwise)
     if separate is not None:
         gemm2_into(w2, weights, views, num_tokens, top_k, separate, layout=1, max_tokens=small_tokens,
