@@ -41,6 +41,7 @@ the launch config is `batch_invariant_router_config`, one for every T of a shape
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ import triton.language as tl
 
 from safemoe._checks import NumValid
 from safemoe.health import HEALTH_SLOTS, NONFINITE_ROWS, PADDED_ROWS
+from safemoe.kernels.launch import launch_options, pdl_supported, wait_for_previous_kernel
 from safemoe.numerics import FLT_MAX as _FLT_MAX
 from safemoe.route_config import RouteConfig
 
@@ -265,6 +267,7 @@ def _router_kernel(
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, GROUPED: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr, HAS_HEALTH: tl.constexpr,
     SANITIZE: tl.constexpr, HAS_PADDING: tl.constexpr,
+    USE_PDL: tl.constexpr,
     # tunable
     BLOCK_T: tl.constexpr,
 ):
@@ -274,7 +277,10 @@ def _router_kernel(
     (read iff HAS_NUM_VALID_PTR, else num_valid_count); weights_ptr: [T, K] fp32 out; ids_ptr:
     [T, K] int32 out; health_ptr: int64 [>= 8] (iff HAS_HEALTH). SANITIZE / HAS_PADDING off build the
     unsafe variant the bench compares against (then every row < T is valid, NaN propagates).
+    USE_PDL: launched with programmatic dependent launch (the launch overlaps the previous kernel's
+    tail); nothing is read or written before that kernel has finished.
     """
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     if HAS_PADDING:
@@ -390,6 +396,21 @@ def _check_outputs(weights_out: torch.Tensor, ids_out: torch.Tensor, num_tokens:
             raise ValueError(f"{name} must be contiguous")
 
 
+def router_pdl(device: torch.device) -> bool:
+    """Whether the router launches with programmatic dependent launch: on Hopper and newer GPUs
+    where this Triton has the launch option. Its launch then overlaps the tail of whatever ran
+    before it (the gate GEMM, or the previous layer), and the expert kernels after it overlap its
+    own (they launch with PDL too)."""
+    if device.type != "cuda" or not pdl_supported():
+        return False
+    return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def launch_router(
     logits: torch.Tensor,
     args: RouteConfig,
@@ -429,6 +450,7 @@ def launch_router(
     nv_tensor = num_valid.tensor
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
     grid = (triton.cdiv(num_tokens, config.block_t),)  # one program per BLOCK_T rows
+    use_pdl = router_pdl(logits.device)
     _router_kernel[grid](
         # inputs
         logits, bias if bias is not None else logits, nv_tensor if nv_tensor is not None else logits,
@@ -444,9 +466,9 @@ def launch_router(
         # modes
         SIGMOID=args.scoring == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=args.renormalize,
         GROUPED=grouped, HAS_NUM_VALID_PTR=nv_tensor is not None, HAS_HEALTH=health is not None,
-        SANITIZE=sanitize, HAS_PADDING=padding,
+        SANITIZE=sanitize, HAS_PADDING=padding, USE_PDL=use_pdl,
         # tunable
-        BLOCK_T=config.block_t, num_warps=config.num_warps,
+        BLOCK_T=config.block_t, num_warps=config.num_warps, **launch_options(use_pdl),
     )
 
 
