@@ -414,17 +414,13 @@ def test_few_slot_path_alone(num_tokens: int, top_k: int) -> None:
 
 @interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
-def test_few_slot_path_in_a_large_batch(one_launch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_few_slot_path_in_a_large_batch(one_launch: bool) -> None:
     """A batch of T = 24 (K = 2) with its own, small-batch and few-slot tiles, all different: for
     num_valid = 0..T (a device tensor, one reused workspace, duplicate and stale ids, NaN padding)
     the few-slot path runs exactly when num_valid * K <= FEW_SLOTS (no M-block in either layout),
     counts the dropped ids once, and equals, bit for bit, the same rows run as a batch of
-    num_valid tokens with the few-slot tiles alone (GEMM2 and combine as two kernels there too:
-    a one-token batch fuses them, another summation, compared in test_few_slot_path_alone)."""
-    from safemoe.kernels import experts as experts_module
+    num_valid tokens with the few-slot tiles alone."""
     from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS
-
-    monkeypatch.setattr(experts_module, "COMBINE_IN_GEMM2", False)
 
     gen = torch.Generator().manual_seed(31)
     num_tokens, num_experts, top_k, hidden, inter = 24, 6, 2, 48, 40

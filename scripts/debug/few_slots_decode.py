@@ -4,10 +4,11 @@
 
 For each bench shape, `experts_triton` (default configs, workspace, device num_valid, CUDA-graph
 replay of 20 calls over 8 rotating routings; `safemoe.bench.harness.time_graph`) at T = 1, 2, 8
-and T = 1024 with one valid row, three ways: `layout` (the few-slot path off: dispatch + sorted
-layout, as before it existed), `few` (few-slot path, GEMM2 and combine separate), `few+fused`
-(one-token batches fuse GEMM2 and combine: `COMBINE_IN_GEMM2`). Prints a table; --out writes
-the rows as JSON. A measurement script for issue 13, not a test.
+and T = 1024 with one valid row, two ways: `layout` (the few-slot path off: dispatch + sorted
+layout, as before it existed) and `few` (the default). Prints a table; --out writes the rows as
+JSON. A measurement script for issue 13, not a test. (Its first run, H100 2026-11-24, also timed
+GEMM2 and combine fused into one CUDA-core matrix-vector kernel at T = 1: 1.5-2x slower than the
+two kernels, e.g. Qwen3 66.8 against 33.2 us, so that kernel was dropped.)
 """
 
 from __future__ import annotations
@@ -46,10 +47,9 @@ def _time(shape, num_tokens: int, num_valid: int, mode: str) -> float:
     outs = [torch.empty_like(x) for x in xs]
     ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
     nv = NumValid(None, torch.tensor(num_valid, device="cuda", dtype=torch.int32))
-    saved = (ex.few_slots_config, ex.COMBINE_IN_GEMM2)
+    saved = ex.few_slots_config
     if mode == "layout":
         ex.few_slots_config = lambda *args, **kwargs: None
-    ex.COMBINE_IN_GEMM2 = mode == "few+fused"
     try:
         def step(j: int) -> None:
             ex.experts_triton(xs[j], w13, w2, weights[j], ids[j], activation=activation, num_valid=nv,
@@ -57,7 +57,7 @@ def _time(shape, num_tokens: int, num_valid: int, mode: str) -> float:
 
         return time_graph(step, n_variants=VARIANTS)
     finally:
-        ex.few_slots_config, ex.COMBINE_IN_GEMM2 = saved
+        ex.few_slots_config = saved
 
 
 def main() -> None:
@@ -66,17 +66,15 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print(f"{torch.cuda.get_device_name()}; us per experts_triton call (median, graph replay)")
-    print(f"{'shape':16} {'T':>5} {'valid':>5} {'layout':>9} {'few':>9} {'few+fused':>10}")
+    print(f"{'shape':16} {'T':>5} {'valid':>5} {'layout':>9} {'few':>9}")
     for name, shape in SHAPES.items():
         for num_tokens, num_valid in ((1, 1), (2, 2), (8, 8), (1024, 1)):
             row = {"shape": name, "tokens": num_tokens, "num_valid": num_valid}
-            for mode in ("layout", "few", "few+fused"):
-                if mode == "few+fused" and num_tokens != 1:
-                    continue
+            for mode in ("layout", "few"):
                 row[mode] = round(_time(shape, num_tokens, num_valid, mode), 2)
             rows.append(row)
-            print(f"{name:16} {num_tokens:5} {num_valid:5} {row['layout']:9.2f} {row['few']:9.2f} "
-                  f"{row.get('few+fused', float('nan')):10.2f}", flush=True)
+            print(f"{name:16} {num_tokens:5} {num_valid:5} {row['layout']:9.2f} {row['few']:9.2f}",
+                  flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

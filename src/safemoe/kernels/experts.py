@@ -55,7 +55,6 @@ from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.launch import (
     launch_options,
     load_num_valid,
-    num_sms,
     pdl_supported,
     persistent_grid,
     rowwise_product,
@@ -666,74 +665,6 @@ def _gemm2_kernel(
                             SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE)
 
 
-@triton.jit
-def _gemm2_combine_kernel(
-    inter_ptr,  # [capacity, I]: the few-slot path's intermediate, row = slot
-    w2_ptr,  # [E, H, I]
-    weights_ptr,  # [T, K] float32
-    ids_ptr,  # [T, K] int32
-    num_valid_ptr,  # 0-dim int32/int64 (if HAS_NUM_VALID_PTR)
-    out_ptr,  # [T, H] out
-    num_valid_count,
-    num_tokens,
-    hidden,
-    inter,
-    num_experts,
-    expert_stride,  # H * I
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_NUM_VALID_PTR: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """GEMM2 and combine in one pass for a batch that takes the few-slot path with a row per token
-    (T = 1): a tile is (token, N-block) and loops over the token's K slots in order, each a
-    matrix-vector product on CUDA cores (one row: a tensor-core tile would be 15/16 empty). Each
-    slot's weighted row is rounded to out's dtype as GEMM2 stores y, then added in fp32 in the
-    order k = 0..K-1 and rounded once, as combine does; unserved slots (and rows >= num_valid) add
-    nothing, so padding rows are exact zeros. One launch fewer, and no y round trip."""
-    wait_for_previous_kernel(USE_PDL)
-    num_valid = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
-    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
-    num_k_steps = tl.cdiv(inter, BLOCK_K)
-    k_index = tl.arange(0, K_PAD)
-    for tile in range(tl.program_id(0), num_tokens * num_n_blocks, tl.num_programs(0)):
-        token = tile // num_n_blocks
-        cols = (tile % num_n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_cols = (cols % hidden).to(tl.int64)
-        slot0 = token.to(tl.int64) * TOP_K
-        # (token + 0 * k_index: a vector compare, also where the interpreter has token and num_valid as ints)
-        in_row = (k_index < TOP_K) & (token + 0 * k_index < num_valid)
-        expert = tl.load(ids_ptr + slot0 + k_index, mask=in_row, other=-1)
-        served = (expert >= 0) & (expert < num_experts)
-        expert = tl.where(served, expert, 0).to(tl.int64)
-        weight = tl.load(weights_ptr + slot0 + k_index, mask=served, other=0.0)
-        acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
-        for step in range(0, TOP_K * num_k_steps):
-            k = step // num_k_steps
-            is_k = k_index == k
-            slot_served = tl.sum(tl.where(is_k & served, 1, 0), 0) > 0
-            slot_expert = tl.sum(tl.where(is_k, expert, 0), 0)
-            ks = (step % num_k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
-            # An unserved slot loads nothing (its K range is empty).
-            k_ok = ks < tl.where(slot_served, inter, 0)
-            a = tl.load(inter_ptr + (slot0 + k) * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
-            b = tl.load(w2_ptr + slot_expert * expert_stride + w_cols[:, None] * inter + ks[None, :],
-                        mask=k_ok[None, :], other=0.0).to(tl.float32)
-            part = tl.sum(b * a[None, :], axis=1)
-            acc = tl.where(is_k[:, None], acc + part[None, :], acc)
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            is_k = k_index == k
-            row = tl.sum(tl.where(is_k[:, None], acc, 0.0), axis=0)
-            slot_weight = tl.sum(tl.where(is_k, weight, 0.0), 0)
-            y = (row * slot_weight).to(out_ptr.dtype.element_ty).to(tl.float32)
-            total += tl.where(tl.sum(tl.where(is_k & served, 1, 0), 0) > 0, y, 0.0)
-        tl.store(out_ptr + token.to(tl.int64) * hidden + cols, total.to(out_ptr.dtype.element_ty),
-                 mask=cols < hidden)
-
-
 @functools.lru_cache(maxsize=1)
 def _tensor_descriptor_class() -> type | None:
     try:
@@ -977,40 +908,6 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
     )
 
 
-# GEMM2 and combine fused for a one-token batch on the few-slot path (`_gemm2_combine_kernel`).
-COMBINE_IN_GEMM2 = True
-
-
-def gemm2_combine_tiles(hidden: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `_gemm2_combine_kernel`: the widest BLOCK_N up
-    to 64 that still gives about a tile per SM (one token: H / BLOCK_N tiles), 256-wide K steps."""
-    sms = num_sms(device.index or 0) if device.type == "cuda" else 8
-    block_n = 16
-    while block_n < 64 and triton.cdiv(hidden, 2 * block_n) >= sms:
-        block_n *= 2
-    return block_n, 256, 4, 4
-
-
-def gemm2_combine_into(w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_valid: NumValid,
-                       views: WorkspaceViews, out: torch.Tensor, *, use_pdl: bool = False,
-                       tiles: tuple[int, int, int, int] | None = None) -> None:
-    """`_gemm2_combine_kernel` over a few-slot batch's intermediate into out (every row written)."""
-    num_tokens, top_k = ids.shape
-    num_experts, hidden, inter = w2.shape
-    block_n, block_k, num_warps, num_stages = tiles or gemm2_combine_tiles(hidden, out.device)
-    has_nv_ptr = num_valid.tensor is not None
-    items = num_tokens * triton.cdiv(hidden, block_n)
-    # grid: persistent programs over (token, N-block) tiles of out
-    _gemm2_combine_kernel[(persistent_grid(items, out.device, 4),)](
-        views.intermediate, w2, weights, ids, num_valid.tensor if has_nv_ptr else ids, out,
-        num_tokens if num_valid.count is None else num_valid.count, num_tokens, hidden, inter, num_experts,
-        hidden * inter,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_NUM_VALID_PTR=has_nv_ptr, USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(use_pdl),
-    )
-
-
 def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                        dtype: torch.dtype, device: torch.device, cfg: ExpertsConfig,
                        quant: str | None = None) -> ExpertsConfig | None:
@@ -1191,9 +1088,6 @@ def experts_triton(
         quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
                                 operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
                                 small_block_m, positions, use_pdl=use_pdl)
-    if few is not None and few.only and num_tokens == 1 and COMBINE_IN_GEMM2:
-        gemm2_combine_into(w2, weights, ids, num_valid, views, out, use_pdl=use_pdl)
-        return out
     gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
                fp8=operands, rowwise=rowwise)
     if separate is not None:
