@@ -247,12 +247,16 @@ def one_launch_plan(
 
 def merge_device_json(existing: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """The device file after --write: payload's metadata, its config entries replacing the same
-    (shape, bucket) entries whole (one_launch included), every other entry and top-level key of
+    (shape, bucket) entries whole (one_launch included; `few` is kept where the existing entry
+    turned it off, a choice this script does not time), every other entry and top-level key of
     `existing` ("batch_invariant", "notes") kept."""
     merged = {**existing, **{k: v for k, v in payload.items() if k != "configs"}}
     configs = {key: dict(buckets) for key, buckets in existing.get("configs", {}).items()}
     for key, buckets in payload["configs"].items():
-        configs.setdefault(key, {}).update(buckets)
+        old = configs.setdefault(key, {})
+        for bucket, entry in buckets.items():
+            few_off = old.get(bucket, {}).get("few") is False
+            old[bucket] = {**entry, "few": False} if few_off else entry
     merged["configs"] = {
         key: dict(sorted(buckets.items(), key=lambda item: int(item[0]))) for key, buckets in configs.items()
     }

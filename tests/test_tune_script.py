@@ -189,6 +189,18 @@ def test_write_merge_keeps_one_launch_and_other_keys():
         assert ExpertsConfig.from_json(_cfg(64, one_launch=flag).to_json()).one_launch is flag
 
 
+def test_write_merge_keeps_few_turned_off():
+    """`few` off in the existing entry (a measured choice the script does not time) survives a
+    re-tune of the bucket; an entry without that choice takes the payload's."""
+    tune = _load()
+    key = "E128_H2048_I768_K8_bfloat16"
+    existing = {"configs": {key: {"2048": {**_cfg(128).to_json(), "few": False}, "64": _cfg(32).to_json()}}}
+    payload = {"configs": {key: {"2048": _cfg(64).to_json(), "64": _cfg(16).to_json()}}}
+    merged = tune.merge_device_json(existing, payload)["configs"][key]
+    assert merged["2048"]["few"] is False and merged["2048"]["block_m"] == 64
+    assert merged["64"]["few"] is True and merged["64"]["block_m"] == 16
+
+
 def test_one_launch_flags_exclude_each_other(tmp_path):
     tune = _load()
     with pytest.raises(SystemExit):
