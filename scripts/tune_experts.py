@@ -89,6 +89,9 @@ QUICK_TOKENS = {
     "deepseek-ep2": (8, 256, 4096),
 }
 N_VARIANTS = 4
+# PDL where a padded decode step can replay: H100 2026-11-24, Qwen3 T = 1024 with one valid row
+# 46.0 -> 42.5 us with it, full batches within 1%.
+PDL_MAX_TOKENS = 1024
 # one_launch: the merged launch must not cost a full batch more than this. It is the noise of a
 # full-batch timing (one-round bench_compare on the H100, 2026-11-24: unchanged code within
 # +-1.3%), so only a real cost turns it down (there: Qwen3 T=256 +3.5%, DeepSeek-V3 T=2048 +4%),
@@ -193,11 +196,12 @@ def _tiles(t: Tiles, group_m: int, tma: bool = False) -> GemmTiles:
 def _pdl(num_tokens: int) -> bool:
     # Programmatic dependent launch overlaps each launch with the previous kernel's tail: worth it
     # where launches are a visible share (run 1 on an H200 picked it at most decode points, and
-    # it was within noise elsewhere). Every candidate uses it: a graph captured for a large
-    # bucket replays padded decode steps too (one valid row), which are all launches.
+    # it was within noise elsewhere). Every candidate up to PDL_MAX_TOKENS uses it: a graph
+    # captured for such a bucket replays padded decode steps too (one valid row), which are all
+    # launches; prefill candidates do not (gpt-oss T = 8192 was 3-4% slower with it, H100).
     from safemoe.kernels.launch import pdl_supported
 
-    return pdl_supported()
+    return num_tokens <= PDL_MAX_TOKENS and pdl_supported()
 
 
 def candidate_plan(num_tokens: int, num_experts: int, top_k: int) -> list[ExpertsConfig]:
