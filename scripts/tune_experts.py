@@ -92,6 +92,9 @@ N_VARIANTS = 4
 # PDL where a padded decode step can replay: H100 2026-11-24, Qwen3 T = 1024 with one valid row
 # 46.0 -> 42.5 us with it, full batches within 1%.
 PDL_MAX_TOKENS = 1024
+# The few-slot path compiled into the launch of buckets up to this; prefill buckets leave it out
+# (it cost them 2-3%, H100 2026-11-24), and their candidates are timed without it.
+FEW_MAX_TOKENS = 1024
 # one_launch: the merged launch must not cost a full batch more than this. It is the noise of a
 # full-batch timing (one-round bench_compare on the H100, 2026-11-24: unchanged code within
 # +-1.3%), so only a real cost turns it down (there: Qwen3 T=256 +3.5%, DeepSeek-V3 T=2048 +4%),
@@ -210,13 +213,14 @@ def candidate_plan(num_tokens: int, num_experts: int, top_k: int) -> list[Expert
     TMA weight loads (kernels compile per GEMM, so these cover every combination searched)."""
     plan = []
     pdl = _pdl(num_tokens)
+    few = num_tokens <= FEW_MAX_TOKENS
     for block_m, g1s, g2s, group_m in regimes(num_tokens, num_experts, top_k):
         base1, base2 = _tiles(g1s[0], group_m), _tiles(g2s[0], group_m)
         for tma in (False, True):
             for t in g1s:
-                plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, pdl=pdl))
+                plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, pdl=pdl, few=few))
             for t in g2s:
-                plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma), pdl=pdl))
+                plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma), pdl=pdl, few=few))
     return plan
 
 
@@ -313,7 +317,7 @@ def _compile_task(task: CompileTask) -> list[str]:
                 workspace=ws,
                 config=cfg,
                 small_config=small,
-                few_config=few_slots_tiles(cfg, num_tokens, top_k),
+                few_config=few_slots_tiles(cfg, name, num_tokens, device),
             )
             torch.cuda.synchronize()
         except Exception as exc:  # out of shared memory, unsupported layout...
@@ -323,12 +327,16 @@ def _compile_task(task: CompileTask) -> list[str]:
     return failures
 
 
-def few_slots_tiles(cfg: ExpertsConfig, num_tokens: int, top_k: int) -> ExpertsConfig | None:
-    """A bucket whose every batch takes the few-slot path (T*K <= FEW_SLOTS) is timed on it, with
-    the candidate's own tiles, as `experts_triton` runs the bucket by default."""
-    from safemoe.kernels.experts import FEW_SLOTS
+def few_slots_tiles(cfg: ExpertsConfig, name: str, num_tokens: int,
+                    device: torch.device) -> ExpertsConfig | None:
+    """The few-slot tiles `experts_triton` would run with candidate `cfg` by default, so a
+    candidate is timed as the bucket runs: a bucket whose every batch takes the path (T*K <= 16)
+    on it with the candidate's own tiles; a larger one with the path compiled into its launch (the
+    device table's tiles of the largest such bucket) unless the candidate turns it off."""
+    from safemoe.kernels.experts import few_slots_config
 
-    return cfg if cfg.few and num_tokens * top_k <= FEW_SLOTS else None
+    num_experts, top_k, hidden, inter = SHAPES[name]
+    return few_slots_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device, cfg)
 
 
 def compile_tasks(names: list[str], tokens_of: dict[str, tuple[int, ...]]) -> list[CompileTask]:
@@ -440,7 +448,7 @@ class Case:
                     out=self.outs[j],
                     config=cfg,
                     small_config=small,
-                    few_config=few_slots_tiles(cfg, self.num_tokens, top_k),
+                    few_config=few_slots_tiles(cfg, self.name, self.num_tokens, self.w13.device),
                 )
                 return
             views = self.ws.views(self.num_tokens, num_experts, top_k, hidden, inter)
@@ -516,6 +524,7 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
     the persistent grid's programs per SM; the fastest config that also checks out wins."""
     num_experts, top_k, _, _ = SHAPES[case.name]
     pdl = _pdl(case.num_tokens)
+    few = case.num_tokens <= FEW_MAX_TOKENS
     results: list[tuple[float, ExpertsConfig]] = []
     est: float | None = None
 
@@ -532,7 +541,8 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
     for block_m, g1s, g2s, group_m in regimes(case.num_tokens, num_experts, top_k):
         base2 = _tiles(g2s[0], group_m)
         timed1 = [
-            (trial(ExpertsConfig(block_m, _tiles(t, group_m), base2, pdl=pdl), "gemm1"), t) for t in g1s
+            (trial(ExpertsConfig(block_m, _tiles(t, group_m), base2, pdl=pdl, few=few), "gemm1"), t)
+            for t in g1s
         ]
         timed1 = [(us, t) for us, t in timed1 if us is not None]
         if not timed1:
@@ -540,11 +550,11 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         best1 = _tiles(min(timed1)[1], group_m)
         timed2 = [(min(timed1)[0], g2s[0])]
         for t in g2s[1:]:
-            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m), pdl=pdl), "gemm2")
+            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m), pdl=pdl, few=few), "gemm2")
             if us is not None:
                 timed2.append((us, t))
         best2 = _tiles(min(timed2)[1], group_m)
-        base = ExpertsConfig(block_m, best1, best2, pdl=pdl)
+        base = ExpertsConfig(block_m, best1, best2, pdl=pdl, few=few)
         base_us = min(timed2)[0]
         tma1 = replace(base, gemm1=replace(best1, tma=True))
         tma2 = replace(base, gemm2=replace(best2, tma=True))

@@ -201,6 +201,27 @@ def test_write_merge_keeps_few_turned_off():
     assert merged["64"]["few"] is True and merged["64"]["block_m"] == 16
 
 
+def test_candidates_are_timed_as_the_bucket_runs(monkeypatch):
+    """Candidates carry few = T <= FEW_MAX_TOKENS, and each is timed with the few-slot tiles
+    `experts_triton` would run: its own at T*K <= 16, the table's of the few bucket above that,
+    none when the candidate turns the path off."""
+    import torch
+
+    from safemoe.configs import get_config
+
+    tune = _load()
+    for num_tokens in (1, 64, 1024, 2048, 8192):
+        plan = tune.candidate_plan(num_tokens, 128, 8)
+        assert {c.few for c in plan} == {num_tokens <= tune.FEW_MAX_TOKENS}, num_tokens
+    monkeypatch.setitem(tune.SHAPES, "tiny", (4, 2, 64, 32))  # (E, K, H, I): few-slot buckets T <= 8
+    cpu = torch.device("cpu")
+    own = _cfg(16)
+    assert tune.few_slots_tiles(own, "tiny", 8, cpu) is own
+    few_bucket = get_config(8, 4, 64, 32, 2, torch.bfloat16, cpu)
+    assert tune.few_slots_tiles(_cfg(64), "tiny", 1024, cpu) == few_bucket
+    assert tune.few_slots_tiles(tune.replace(_cfg(64), few=False), "tiny", 1024, cpu) is None
+
+
 def test_one_launch_flags_exclude_each_other(tmp_path):
     tune = _load()
     with pytest.raises(SystemExit):
