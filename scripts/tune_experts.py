@@ -22,7 +22,8 @@ How it searches (per model shape and token bucket T):
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
    timed at T = its bucket with the small tiles in the GEMMs' own launch and in a second launch
-   each, on a full batch (num_valid = T) and on a padded decode step (num_valid = 1),
+   each, on a full batch (num_valid = T) and on a padded decode step (num_valid = 8, the
+   small-batch regime; one valid row takes the few-slot path, which one_launch does not change),
    ONE_LAUNCH_ROUNDS interleaved rounds each, medians compared: `choose_one_launch` (merged only
    when the padded step gets faster and the full batch is not slower by more than
    ONE_LAUNCH_TOLERANCE).
@@ -92,6 +93,9 @@ N_VARIANTS = 4
 # PDL where a padded decode step can replay: H100 2026-11-24, Qwen3 T = 1024 with one valid row
 # 46.0 -> 42.5 us with it, full batches within 1%.
 PDL_MAX_TOKENS = 1024
+# The padded decode step of the one_launch decision: the small-batch regime's largest count. One
+# valid row now takes the few-slot path (num_valid * K <= 16), which one_launch does not change.
+ONE_LAUNCH_PADDED_ROWS = SMALL_BATCH_TOKENS
 # The few-slot path compiled into the launch of buckets up to this; prefill buckets leave it out
 # (it cost them 2-3%, H100 2026-11-24), and their candidates are timed without it.
 FEW_MAX_TOKENS = 1024
@@ -232,7 +236,7 @@ def choose_one_launch(
     tolerance: float = ONE_LAUNCH_TOLERANCE,
 ) -> bool:
     """one_launch for a bucket from its four timings (us; `two`: small tiles in a second launch
-    per GEMM, `one`: merged): True only when the padded decode step (num_valid = 1) gets faster
+    per GEMM, `one`: merged): True only when the padded decode step (num_valid = 8) gets faster
     and the full batch (num_valid = T) gets no slower than `tolerance` (a fraction)."""
     return padded_one < padded_two and full_one <= full_two * (1.0 + tolerance)
 
@@ -409,7 +413,8 @@ class Case:
         self.outs = [torch.empty_like(x) for x in self.xs]
         # num_valid as a device tensor: T (a full batch), or 1 (a padded decode step, same graph)
         self.nvs = {
-            n: NumValid(None, torch.tensor(n, dtype=torch.int32, device=device)) for n in {num_tokens, 1}
+            n: NumValid(None, torch.tensor(n, dtype=torch.int32, device=device))
+            for n in {num_tokens, 1, min(num_tokens, ONE_LAUNCH_PADDED_ROWS)}
         }
         self.nv = self.nvs[num_tokens]
         self.ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
@@ -615,10 +620,15 @@ def decide_one_launch(
     deadline: float,
 ) -> tuple[bool, dict[str, dict[str, float]]] | None:
     """(one_launch, median us of each side) for `cfg` at case's T with `small` as its small-batch
-    tiles: ONE_LAUNCH_ROUNDS interleaved rounds of a full batch and a padded decode step (1 valid
-    row of T, the same graph), each with the small tiles in a second launch and merged. None when
-    the budget runs out or a timing fails (the caller then leaves one_launch off)."""
-    batches = (("full_batch", None, cfg.extra.get("us")), ("padded_decode", 1, estimate_us(case.name, 1)))
+    tiles: ONE_LAUNCH_ROUNDS interleaved rounds of a full batch and a padded decode step
+    (ONE_LAUNCH_PADDED_ROWS valid rows of T, the same graph), each with the small tiles in a second
+    launch and merged. None when the budget runs out or a timing fails (the caller then leaves
+    one_launch off)."""
+    rows = ONE_LAUNCH_PADDED_ROWS
+    batches = (
+        ("full_batch", None, cfg.extra.get("us")),
+        ("padded_decode", rows, estimate_us(case.name, rows)),
+    )
     times: dict[tuple[str, bool], list[float]] = {}
     for _ in range(ONE_LAUNCH_ROUNDS):
         for batch, num_valid, est in batches:
@@ -819,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_one_launch:
         method += (
             f"; one_launch per bucket with small-batch tiles from a full batch and a padded decode step "
-            f"(num_valid = 1), medians of {ONE_LAUNCH_ROUNDS} rounds (one_launch_us)"
+            f"(num_valid = {ONE_LAUNCH_PADDED_ROWS}), medians of {ONE_LAUNCH_ROUNDS} rounds (one_launch_us)"
         )
     payload = {
         "device": device_name,
@@ -883,8 +893,8 @@ def one_launch_only(args: argparse.Namespace, names: list[str], start: float) ->
             "torch": torch.__version__,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "method": f"scripts/tune_experts.py --one-launch-only: the table's tiles, one_launch from a full "
-            f"batch and a padded decode step (num_valid = 1) under CUDA-graph replay, medians of "
-            f"{ONE_LAUNCH_ROUNDS} rounds (one_launch_us)",
+            f"batch and a padded decode step (num_valid = {ONE_LAUNCH_PADDED_ROWS}) under CUDA-graph replay, "
+            f"medians of {ONE_LAUNCH_ROUNDS} rounds (one_launch_us)",
         },
         "configs": winners,
     }

@@ -138,7 +138,9 @@ class _FakeCase:
 def test_decide_one_launch_times_both_batches_interleaved_and_logs_them():
     tune = _load()
     cfg, small = _cfg(64, extra={"us": 620.0}), _cfg(16)
-    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 622.0, (False, 1): 51.3, (True, 1): 46.9})
+    rows = tune.ONE_LAUNCH_PADDED_ROWS
+    assert rows == tune.SMALL_BATCH_TOKENS
+    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 622.0, (False, rows): 51.3, (True, rows): 46.9})
     log: list = []
     choice, summary = tune.decide_one_launch(case, cfg, small, log, deadline=float("inf"))
     assert choice is True, "the outlier must not decide it (medians of the rounds)"
@@ -147,15 +149,15 @@ def test_decide_one_launch_times_both_batches_interleaved_and_logs_them():
         "padded_decode": {"two_launches": 51.3, "one_launch": 46.9},
     }
     rounds = tune.ONE_LAUNCH_ROUNDS
-    assert [c[:2] for c in case.calls] == [(False, 1024), (True, 1024), (False, 1), (True, 1)] * rounds
+    assert [c[:2] for c in case.calls] == [(False, 1024), (True, 1024), (False, rows), (True, rows)] * rounds
     assert all(c[2] is small for c in case.calls)
     assert len(log) == 4 * rounds
     assert {(e["sweep"], e["config"]["one_launch"], e["num_valid"]) for e in log} == {
-        ("one_launch", merged, nv) for merged in (False, True) for nv in (1024, 1)
+        ("one_launch", merged, nv) for merged in (False, True) for nv in (1024, rows)
     }
     assert all(e["small"] == small.to_json() and "us" in e for e in log)
     # a full batch that gets 2% slower keeps two launches
-    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 633.0, (False, 1): 51.3, (True, 1): 46.9})
+    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 633.0, (False, rows): 51.3, (True, rows): 46.9})
     assert tune.decide_one_launch(case, cfg, small, [], deadline=float("inf"))[0] is False
     # out of budget: nothing decided
     assert tune.decide_one_launch(case, cfg, small, [], deadline=0.0) is None
@@ -288,7 +290,7 @@ def _fake_gpu(monkeypatch, tmp_path, tune):
 
     def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
         assert small is not None and small.block_m < cfg.block_m
-        if num_valid == 1:
+        if num_valid == tune.ONE_LAUNCH_PADDED_ROWS:
             return 25.0 if cfg.one_launch else 30.0
         return full[self.num_tokens][cfg.one_launch]
 
