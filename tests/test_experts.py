@@ -318,6 +318,18 @@ def test_experts_config_rejects_bad_fields() -> None:
     assert ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, one_launch=True).to_json()).one_launch
 
 
+def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:
+    """Main and small-batch tiles for T = 24, H = 48, I = 40 that differ in every constexpr
+    (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA on one side only): block_k 16 divides H (EVEN_K), 32 does
+    not; I = 40 is no multiple of any block_n."""
+    main = ExpertsConfig(32, GemmTiles(block_n=32, block_k=16, group_m=2, num_stages=1),
+                         GemmTiles(block_n=16, block_k=32, group_m=2, num_stages=1, tma=True),
+                         one_launch=one_launch)
+    small = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1, tma=True),
+                          GemmTiles(block_n=64, block_k=16, group_m=1, num_stages=1))
+    return main, small
+
+
 @interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
 def test_one_launch_serves_both_tile_regimes(one_launch: bool) -> None:
@@ -332,12 +344,7 @@ def test_one_launch_serves_both_tile_regimes(one_launch: bool) -> None:
     w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
     x = torch.randn(num_tokens, hidden, generator=gen)
     weights, ids = _routing(num_tokens, top_k, num_experts, gen)
-    # H = 48: block_k 16 divides it (EVEN_K), 32 does not; I = 40 is no multiple of any block_n.
-    main = ExpertsConfig(32, GemmTiles(block_n=32, block_k=16, group_m=2, num_stages=1),
-                         GemmTiles(block_n=16, block_k=32, group_m=2, num_stages=1, tma=True),
-                         one_launch=one_launch)
-    small = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1, tma=True),
-                          GemmTiles(block_n=64, block_k=16, group_m=1, num_stages=1))
+    main, small = _main_and_small_tiles(one_launch)
     ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
     views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
     nv = torch.tensor(0)
@@ -430,11 +437,7 @@ def test_few_slot_path_in_a_large_batch(one_launch: bool) -> None:
     ids[1, 1] = ids[1, 0]  # a duplicate: both slots served
     ids[2, 0] = -1
     ids[3, 1] = num_experts
-    main = ExpertsConfig(32, GemmTiles(block_n=32, block_k=16, group_m=2, num_stages=1),
-                         GemmTiles(block_n=16, block_k=32, group_m=2, num_stages=1, tma=True),
-                         one_launch=one_launch)
-    small = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1, tma=True),
-                          GemmTiles(block_n=64, block_k=16, group_m=1, num_stages=1))
+    main, small = _main_and_small_tiles(one_launch)
     few = ExpertsConfig(16, GemmTiles(block_n=64, block_k=32, group_m=1, num_stages=1),
                         GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1, tma=True))
     ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
@@ -482,6 +485,14 @@ def test_few_config_errors() -> None:
     with pytest.raises(ValueError, match=r"few_config: .*K <= 16, got K=17"):
         experts_triton(x, w13, w2, torch.ones(2, 17), wide_ids, activation="silu", num_valid=nv, health=None,
                        config=cfg, few_config=cfg)
+    with pytest.raises(TypeError, match="few_config must be a safemoe ExpertsConfig or None, got dict"):
+        experts_triton(x, w13, w2, weights, ids, activation="silu", num_valid=nv, health=None, config=cfg,
+                       few_config=cfg.to_json())  # type: ignore[arg-type]
+    from safemoe.kernels.experts import few_slots_bucket
+
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+            few_slots_bucket(bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="few must be a bool, got int"):
         ExpertsConfig(16, tiles, tiles, few=1)  # type: ignore[arg-type]
     assert not ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, few=False).to_json()).few

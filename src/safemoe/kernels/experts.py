@@ -924,6 +924,8 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
 
 def few_slots_bucket(top_k: int) -> int:
     """The largest token bucket whose every batch takes the few-slot path (T*K <= FEW_SLOTS)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
     return 1 << max(0, (max(1, FEW_SLOTS // top_k)).bit_length() - 1)
 
 
@@ -992,9 +994,9 @@ def experts_triton(
     tile of 16 rows (its slots; the intermediate is indexed by slot), run with `few_config`'s tiles
     in the GEMMs' own launch; dispatch then only zeroes its block counts, and a bucket with T*K <= 16
     launches no dispatch at all (GEMM1 counts the dropped ids into health). Three launches at
-    decode instead of four: the fused tiny-batch dispatch that issue 13 names (vLLM and SGLang
-    take a different route there: their align kernel still runs, sized for the tiny batch). Not
-    with fp8 or batch_invariant (results would then depend on num_valid's regime).
+    decode instead of four: the fused tiny-batch dispatch that issue 13 names. Not with fp8 (the
+    second quantisation pass reads the sorted layout) nor batch_invariant (the tiles would then
+    depend on num_valid).
 
     batch_invariant: one configuration for every T and no small-batch switch, so a valid row's
     output is bitwise the same whatever T, num_valid and the other rows hold. The configuration is
@@ -1025,6 +1027,9 @@ def experts_triton(
     if batch_invariant and (small_config is not None or few_config is not None):
         raise ValueError("small_config and few_config switch tiles by num_valid; batch_invariant=True runs "
                          "one config for every batch (pass config= alone)")
+    if few_config is not None and not isinstance(few_config, ExpertsConfig):
+        raise TypeError("few_config must be a safemoe ExpertsConfig or None, got "
+                        f"{type(few_config).__name__}")
     if few_config is not None and (fp8 is not None or top_k > FEW_SLOTS):
         got = "fp8 weights" if fp8 is not None else f"K={top_k}"
         raise ValueError(f"few_config: the few-slot path takes bf16/fp16/fp32 weights and K <= {FEW_SLOTS}, "
