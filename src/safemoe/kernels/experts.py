@@ -138,7 +138,7 @@ def _operand(tile, UPCAST: tl.constexpr):
 def _group_scale(a_scale_rows_ptr, row_ok, k, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
     """Block mode: the [BLOCK_M] activation-group scales of K step k (BLOCK_K divides 128, so one
     step lies inside one group); other modes: 1."""
-    if QUANT == 2:
+    if QUANT >= 2:
         return tl.load(a_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK, mask=row_ok, other=0.0)
     else:
         return 1.0
@@ -149,14 +149,19 @@ def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: 
          DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
     """acc + a @ b. Block mode: the K step's product is scaled by its activation-group scale
     (rows) times its 128x128 weight-block scale (columns) before it is added, DeepSeek-V3's
-    promotion of each 128-wide partial sum into the fp32 accumulator. ROWWISE (interpreter,
+    promotion of each 128-wide partial sum into the fp32 accumulator. QUANT 3 (block mode, every
+    column of the tile in one weight block): w_scale_rows_ptr is one pointer, the weight scale
+    one number, and the promotion one multiply-add per element (a [BLOCK_M] scale vector) instead
+    of an outer product of scales and a multiply before the add. ROWWISE (interpreter,
     batch-invariant): the product is `rowwise_product` (see kernels/launch.py)."""
-    if QUANT == 2:
+    if QUANT >= 2:
         w_scale = tl.load(w_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK)
         if ROWWISE:
             product = rowwise_product(a, b)
         else:
             product = tl.dot(a, b)
+        if QUANT == 3:
+            return acc + product * (a_scale * w_scale)[:, None]
         return acc + product * (a_scale[:, None] * w_scale[None, :])
     elif ROWWISE:
         return acc + rowwise_product(a, b)
@@ -222,10 +227,16 @@ def _gemm1_tile(
     a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
     x_scale_rows = x_scale_ptr + tokens * x_scale_stride
     w_scales = w13_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
-    # QUANT 2: each output column's row of 128x128 block scales (gate, then up)
-    gate_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
-    up_blocks = (up_scale_row + w_cols) // SCALE_BLOCK + up_scale_offset
-    up_scale_rows = w_scales + up_blocks * w_scale_row_stride
+    # QUANT 2: each output column's row of 128x128 block scales (gate, then up); QUANT 3: the
+    # tile's one row (its columns lie in one block; columns past I are never stored)
+    if QUANT == 3:
+        gate_scale_rows = w_scales + ((n_block * BLOCK_N) // SCALE_BLOCK) * w_scale_row_stride
+        up_scale_rows = w_scales + ((up_scale_row + n_block * BLOCK_N) // SCALE_BLOCK
+                                    + up_scale_offset) * w_scale_row_stride
+    else:
+        gate_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
+        up_blocks = (up_scale_row + w_cols) // SCALE_BLOCK + up_scale_offset
+        up_scale_rows = w_scales + up_blocks * w_scale_row_stride
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
@@ -395,7 +406,8 @@ def _gemm1_kernel(
     TOP_K: tl.constexpr,
     ACTIVATION: tl.constexpr,
     NUM_BINS: tl.constexpr,
-    QUANT: tl.constexpr,  # 0: none; 1: fp8 per-tensor weights, per-token x; 2: fp8 128x128 blocks
+    QUANT: tl.constexpr,  # 0: none; 1: fp8 per-tensor weights, per-token x; 2: fp8 128x128 blocks;
+    #                       3: 2 with every tile's columns in one weight block (see _quant_code)
     UPCAST: tl.constexpr,  # interpreter with bf16 operands: multiply in fp32
     # tunable: main tiles (layout 0)
     BLOCK_M: tl.constexpr,
@@ -472,7 +484,10 @@ def _gemm2_tile(
     a_ptrs = inter_ptr + rows64[:, None] * inter + ks[None, :]
     a_scale_rows = inter_scale_ptr + rows64 * inter_scale_stride
     w_scales = w2_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
-    w_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride  # QUANT 2
+    if QUANT == 3:  # the tile's columns lie in one 128-row block of w2
+        w_scale_rows = w_scales + ((n_block * BLOCK_N) // SCALE_BLOCK) * w_scale_row_stride
+    else:  # QUANT 2: each output column's row of block scales
+        w_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         w_row = expert * hidden + n_block * BLOCK_N
@@ -708,9 +723,14 @@ class Fp8Operands:
     weights: Fp8Weights
     views: Fp8Views
 
-    @property
-    def code(self) -> int:
-        return _QUANT_CODES[self.weights.mode]
+    def code(self, tiles: tuple[GemmTiles | None, ...], up_aligned: bool = True) -> int:
+        """The kernels' QUANT: 1 per-tensor; block mode 3 when the columns of every tile of the
+        launch lie in one 128-row weight block (block_n <= 128, and for w13 the up rows start a
+        block: gate and up quantised apart, or I % 128 == 0), so each K step's weight scale is one
+        number per tile; else 2 (a scale per column)."""
+        code = _QUANT_CODES[self.weights.mode]
+        one_block = all(t is None or t.block_n <= FP8_BLOCK for t in tiles)
+        return 3 if code == 2 and one_block and up_aligned else code
 
     @property
     def group(self) -> int | None:
@@ -846,6 +866,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         w13, hidden, inter, rows, top_k, cfg, tiles, small, small.gemm1 if small is not None else None,
         few, few.config.gemm1 if few is not None else None)
     a = x if fp8 is None else fp8.views.x
+    quant = 0
     if fp8 is None:
         a_scale, w_scale, strides = x, x, dict(_NO_SCALES)
     else:
@@ -853,6 +874,8 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         up_rows = (0, triton.cdiv(inter, FP8_BLOCK)) if split else (inter, 0)
         a_scale, w_scale = fp8.views.x_scale, fp8.weights.w13_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
+        quant = fp8.code((tiles, small.gemm1 if small is not None else None),
+                         up_aligned=split or inter % FP8_BLOCK == 0)
     few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     health = few.health if few is not None else None
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
@@ -867,7 +890,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
-        QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype), **meta,
+        QUANT=quant, UPCAST=_upcast(a.dtype), **meta,
         HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], HAS_HEALTH=health is not None,
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
@@ -887,11 +910,13 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         w2, inter, hidden, rows, top_k, cfg, tiles, small, small.gemm2 if small is not None else None,
         few, few.config.gemm2 if few is not None else None)
     a = views.intermediate if fp8 is None else fp8.views.inter
+    quant = 0
     if fp8 is None:
         a_scale, w_scale, strides = a, a, dict(_NO_SCALES)
     else:
         a_scale, w_scale = fp8.views.inter_scale, fp8.weights.w2_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode)
+        quant = fp8.code((tiles, small.gemm2 if small is not None else None))
     del strides["up_scale_row"], strides["up_scale_offset"]
     few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
@@ -901,7 +926,7 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         views.y,
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
-        TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=fp8.code if fp8 else 0, UPCAST=_upcast(a.dtype),
+        TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=quant, UPCAST=_upcast(a.dtype),
         **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"],
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
