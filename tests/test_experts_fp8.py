@@ -363,12 +363,6 @@ def _force_per_column_scales(monkeypatch: pytest.MonkeyPatch) -> None:
                                                                                            up_aligned), 2))
 
 
-def _no_fused_quantisation(monkeypatch: pytest.MonkeyPatch) -> None:
-    from safemoe.kernels import experts as ex
-
-    monkeypatch.setattr(ex, "fuses_quantisation", lambda *args, **kwargs: False)
-
-
 @pytest.mark.memcheck
 @pytest.mark.parametrize(("device", "inter", "block_n"), by_device(cpu=[(128, 32), (72, 64)],
                                                                    cuda=[(256, 128), (200, 64)]))
@@ -388,76 +382,6 @@ def test_block_one_scale_per_tile_is_the_per_column_promotion(device: str, inter
     finite = torch.ones(70, dtype=torch.bool, device=device)
     finite[3] = False
     _assert_fp8_close(one_scale[finite], _reference(x, fp8w, weights, ids)[finite], "QUANT 3")
-
-
-class _CountPasses:
-    """Records the block_m arguments of every second-pass (quantize_positions_into) launch."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from safemoe.kernels import experts as ex
-
-        self.calls: list[tuple[int, int]] = []
-        original = ex.quantize_positions_into
-
-        def counted(*args, **kwargs):
-            self.calls.append((args[6], args[7]))
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(ex, "quantize_positions_into", counted)
-
-
-@pytest.mark.memcheck
-@pytest.mark.parametrize(("device", "num_tokens", "inter", "num_valid"), by_device(
-    cpu=[(40, 200, 40), (40, 128, 17), (300, 128, 5)],
-    cuda=[(300, 256, 300), (300, 200, 5)],
-), ids=case_id)
-def test_block_intermediate_quantised_in_gemm1_epilogue(device: str, num_tokens: int, inter: int,
-                                                        num_valid: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMM1 tiles of 128 columns quantise their 1x128 group of the intermediate in the epilogue
-    (no second pass over the main layout): bitwise the output, fp8 rows and scales of the second
-    pass, NaN rows included; a small-batch launch with narrower tiles keeps its pass (main layout
-    left out: block_m 0), and T > 8 with few valid rows runs it."""
-    from safemoe.kernels.experts import fuses_quantisation
-
-    dtype = torch.float16 if device == "cpu" else torch.bfloat16
-    num_experts, top_k, hidden = 4, 2, 160
-    x, _, fp8w, weights, ids = _case(num_tokens, num_experts, top_k, hidden, inter, "block", dtype, seed=inter,
-                                     device=device)
-    x[1] = math.nan
-    block_k, stages = (32, 1) if device == "cpu" else (128, 3)
-    main = ExpertsConfig(32, GemmTiles(128, block_k, 2, 4, stages), GemmTiles(32, block_k, 2, 4, stages))
-    small = ExpertsConfig(16, GemmTiles(32, block_k, 1, 4, stages), GemmTiles(32, block_k, 1, 4, stages))
-    small = small if num_tokens > 8 else None
-    assert fuses_quantisation(_fp8_operands("block"), main) and not fuses_quantisation(
-        _fp8_operands("per_tensor"), main)
-    nv = NumValid(None, torch.tensor(num_valid, device=device))
-    runs = []
-    for fused in (True, False):
-        if not fused:
-            _no_fused_quantisation(monkeypatch)
-        passes = _CountPasses(monkeypatch)
-        ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, dtype, device, fp8=True)
-        out = _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=poisoned(x.shape, dtype, device),
-                   config=main, small_config=small)
-        f8 = ws.fp8_views(num_tokens, num_experts, top_k, hidden, inter, 128)
-        views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
-        used = views.sorted_slots[: f8.inter.shape[0]] >= 0
-        runs.append((out, f8.inter[used].view(torch.uint8).clone(), f8.inter_scale[used].clone(),
-                     list(passes.calls)))
-    (fused_out, fused_q, fused_s, fused_calls), (pass_out, pass_q, pass_s, pass_calls) = runs
-    assert_equal(fused_out, pass_out, "output, fused vs second pass")
-    if num_valid > 8 or small is None:  # the main layout's positions (the small layout's are the pass's)
-        assert_equal(fused_q, pass_q, "fp8 intermediate")
-        assert torch.equal(fused_s.isnan(), pass_s.isnan())
-        assert_equal(torch.nan_to_num(fused_s), torch.nan_to_num(pass_s), "intermediate scales")
-    assert pass_calls == [(32, 16 if small is not None else 0)]
-    assert fused_calls == ([(0, 16)] if small is not None else [])
-    valid = torch.arange(num_tokens, device=device) < num_valid
-    valid[1] = False
-    assert bool(fused_out[1].isnan().all()) == (num_valid > 1)
-    ref = _reference(x, fp8w, weights, ids, num_valid=num_valid)
-    _assert_fp8_close(fused_out[valid], ref[valid], "fused quantisation")
-    assert_equal(fused_out[num_valid:], torch.zeros_like(fused_out[num_valid:]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,22 +76,6 @@ def _codes(v, divisor, is_bad):
 
 
 @triton.jit
-def quantize_tile_into(v, mask, row_ok, q_ptrs, scale_ptrs):
-    """Quantise each row of the fp32 tile v as ONE group (entries outside `mask` must be 0): its
-    scale stored at scale_ptrs (rows of row_ok), its e4m3 codes at q_ptrs (entries of mask), by the
-    contract above. The act_quant kernel's one-load path, and GEMM1's epilogue when its tile is
-    exactly one 128-column group of the intermediate (kernels/experts.py)."""
-    magnitude = tl.abs(v)
-    finite = magnitude <= _FLT_MAX  # False for NaN and +-Inf
-    amax = tl.max(tl.where(finite, magnitude, 0.0), axis=1)
-    is_bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
-    tl.store(scale_ptrs, tl.where(is_bad, float("nan"), scale), mask=row_ok)
-    divisor = tl.broadcast_to(tl.where(is_bad, 1.0, scale)[:, None], v.shape)
-    tl.store(q_ptrs, _codes(v, divisor, is_bad).to(q_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _quantize_kernel(
     # inputs
     src_ptr,  # [R, C] bf16/fp16
@@ -133,25 +117,27 @@ def _quantize_kernel(
         row_offsets = rows64 * row_len
         start = group * group_len
         end = tl.minimum(start + group_len, row_len)
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
         if ONE_CHUNK:
             cols = start + tl.arange(0, BLOCK_C)
             mask = row_ok[:, None] & (cols < end)[None, :]
             offsets = row_offsets[:, None] + cols[None, :]
             v = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            quantize_tile_into(v, mask, row_ok, q_ptr + offsets, scale_ptr + rows64 * num_groups + group)
+            amax, bad = _stats(v, amax, bad)
         else:
-            amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
             for c0 in range(start, end, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 mask = row_ok[:, None] & (cols < end)[None, :]
                 v = tl.load(src_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0)
                 amax, bad = _stats(v.to(tl.float32), amax, bad)
-            scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
-            is_bad = bad > 0
-            tl.store(scale_ptr + rows64 * num_groups + group, tl.where(is_bad, float("nan"), scale),
-                     mask=row_ok)
-            divisor = tl.broadcast_to(tl.where(is_bad, 1.0, scale)[:, None], (BLOCK_R, BLOCK_C))
+        scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+        is_bad = bad > 0
+        tl.store(scale_ptr + rows64 * num_groups + group, tl.where(is_bad, float("nan"), scale), mask=row_ok)
+        divisor = tl.broadcast_to(tl.where(is_bad, 1.0, scale)[:, None], (BLOCK_R, BLOCK_C))
+        if ONE_CHUNK:
+            tl.store(q_ptr + offsets, _codes(v, divisor, is_bad).to(q_ptr.dtype.element_ty), mask=mask)
+        else:
             for c0 in range(start, end, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 mask = row_ok[:, None] & (cols < end)[None, :]

@@ -49,7 +49,7 @@ import triton.language as tl
 from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
 from safemoe.configs import ExpertsConfig, GemmTiles, batch_invariant_config, get_config
-from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into, quantize_tile_into
+from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.launch import (
@@ -208,19 +208,16 @@ def _few_tile_rows(tile, num_n_blocks, slot, expert, rank):
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr, inter_q_ptr,
-    inter_scale_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
-    w_scale_row_stride, up_scale_row, up_scale_offset,
+    x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
+    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    up_scale_row, up_scale_offset,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
-    FUSE_QUANT: tl.constexpr,
 ):
     """One GEMM1 tile: intermediate rows `rows` (columns of N-block n_block) from the x rows of
     `slots` (-1: a masked row, neither loaded nor stored) and expert `expert`'s w13 (arguments as
-    in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K]). FUSE_QUANT
-    (block mode, BLOCK_N = 128): the tile's columns are one 1x128 group of each row, quantised here
-    for GEMM2 instead of stored in x's dtype and quantised by a second pass."""
+    in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K])."""
     row_ok = slots >= 0
     tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -287,29 +284,18 @@ def _gemm1_tile(
     acc_gate = _dequantize(acc_gate, x_scale_rows, row_ok, w_scales, QUANT)
     acc_up = _dequantize(acc_up, x_scale_rows, row_ok, w_scales + up_scale_offset, QUANT)
     h = _activation(acc_gate, acc_up, ACTIVATION)
-    col_ok = cols < inter
-    rows64 = rows.to(tl.int64)
-    if FUSE_QUANT:
-        # Rounded to x's dtype first, as the reference rounds the intermediate before quantising
-        # it: the same bits as the separate pass over the stored rows.
-        v = tl.where(col_ok[None, :], h.to(inter_ptr.dtype.element_ty).to(tl.float32), 0.0)
-        quantize_tile_into(v, row_ok[:, None] & col_ok[None, :], row_ok,
-                           inter_q_ptr + rows64[:, None] * inter + cols[None, :],
-                           inter_scale_ptr + rows64 * tl.cdiv(inter, SCALE_BLOCK) + n_block)
-    else:
-        out_ptrs = inter_ptr + rows64[:, None] * inter + cols[None, :]
-        tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
 
 
 @triton.jit
 def _gemm1_tiles(
     x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr, w13_scale_ptr, inter_ptr,
-    inter_q_ptr, inter_scale_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-    w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    up_scale_row, up_scale_offset,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
-    FUSE_QUANT: tl.constexpr,
 ):
     """GEMM1's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows of the dispatch
     layout with one set of tiles."""
@@ -318,10 +304,9 @@ def _gemm1_tiles(
         n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
                                                   sorted_slots_ptr, BLOCK_M, GROUP_M)
         _gemm1_tile(x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
-                    inter_q_ptr, inter_scale_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                    w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K,
-                    ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA,
-                    ROWWISE, FUSE_QUANT)
+                    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                    w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
 
 
 @triton.jit
@@ -342,25 +327,23 @@ def _gemm1_few_tiles(
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     for tile in range(tl.program_id(0), leaders * num_n_blocks, tl.num_programs(0)):
         n_block, tile_expert, rows, slots = _few_tile_rows(tile, num_n_blocks, slot, expert, rank)
-        # (no fp8 on this path: nothing to quantise in the epilogue)
         _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
-                    inter_ptr, x_scale_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                    w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K,
-                    ACTIVATION, QUANT, UPCAST, FEW, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE,
-                    False)
+                    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                    w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
+                    FEW, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
 
 
 @triton.jit
 def _gemm1_layout_tiles(
     x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr, x_scale_ptr,
-    w13_scale_ptr, inter_ptr, inter_q_ptr, inter_scale_ptr, hidden, inter, num_experts, expert_stride,
-    up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+    w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride, up_offset, x_scale_stride,
+    w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, NUM_BINS: tl.constexpr, QUANT: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, HAS_SMALL: tl.constexpr,
     SMALL_BLOCK_M: tl.constexpr, SMALL_BLOCK_N: tl.constexpr, SMALL_BLOCK_K: tl.constexpr,
     SMALL_GROUP_M: tl.constexpr, SMALL_EVEN_K: tl.constexpr, SMALL_USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr, FUSE_QUANT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     """GEMM1 over the dispatch layout: the main tiles, or (HAS_SMALL) the small-batch ones when
     dispatch built their layout."""
@@ -371,25 +354,22 @@ def _gemm1_layout_tiles(
         num_small_blocks = tl.load(num_blocks_ptr + 1)
         if num_small_blocks > 0:
             _gemm1_tiles(x_ptr, w13_small_arg, sorted_slots_ptr, num_small_blocks, block_end, x_scale_ptr,
-                         w13_scale_ptr, inter_ptr, inter_q_ptr, inter_scale_ptr, hidden, inter, expert_stride,
-                         up_offset, x_scale_stride,
+                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
                          w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                          TOP_K, ACTIVATION, QUANT, UPCAST, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K,
-                         SMALL_GROUP_M, SMALL_EVEN_K, DOT_PRECISION, SMALL_USE_TMA, ROWWISE, FUSE_QUANT)
+                         SMALL_GROUP_M, SMALL_EVEN_K, DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
         else:
             _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
-                         w13_scale_ptr, inter_ptr, inter_q_ptr, inter_scale_ptr, hidden, inter, expert_stride,
-                         up_offset, x_scale_stride,
+                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
                          w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                          TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                         DOT_PRECISION, USE_TMA, ROWWISE, FUSE_QUANT)
+                         DOT_PRECISION, USE_TMA, ROWWISE)
     else:
         _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
-                     w13_scale_ptr, inter_ptr, inter_q_ptr, inter_scale_ptr, hidden, inter, expert_stride,
-                     up_offset, x_scale_stride,
+                     w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
                      w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                      TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                     DOT_PRECISION, USE_TMA, ROWWISE, FUSE_QUANT)
+                     DOT_PRECISION, USE_TMA, ROWWISE)
 
 
 @triton.jit
@@ -410,8 +390,6 @@ def _gemm1_kernel(
     w13_scale_ptr,  # QUANT 1: [E] or [E, 2] float32; QUANT 2: [E, rows of 128-blocks, ceil(H/128)]
     # outputs
     inter_ptr,  # [capacity, I]: rows at sorted positions, or at slot numbers on the few-slot path
-    inter_q_ptr,  # FUSE_QUANT: [capacity, I] float8_e4m3fn, the intermediate quantised (inter_ptr unused)
-    inter_scale_ptr,  # FUSE_QUANT: [capacity, ceil(I/128)] float32, its 1x128-group scales
     # shapes
     num_valid_count,
     num_tokens,
@@ -458,7 +436,6 @@ def _gemm1_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
-    FUSE_QUANT: tl.constexpr,  # block mode, every tile set 128 columns: quantise in the epilogue
 ):
     wait_for_previous_kernel(USE_PDL)
     if FEW > 0:
@@ -471,21 +448,20 @@ def _gemm1_kernel(
                              FEW_BLOCK_K, FEW_EVEN_K, DOT_PRECISION, FEW_USE_TMA, ROWWISE, HAS_HEALTH)
         elif not ONLY_FEW:  # (compiled out when every call takes the few-slot path)
             _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr,
-                                num_blocks_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr, inter_q_ptr,
-                                inter_scale_ptr, hidden, inter, num_experts, expert_stride, up_offset,
-                                x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row,
-                                up_scale_offset, TOP_K, ACTIVATION, NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N,
-                                BLOCK_K, GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N,
-                                SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION,
-                                ROWWISE, FUSE_QUANT)
+                                num_blocks_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter,
+                                num_experts, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                                w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION,
+                                NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA,
+                                HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
+                                SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE)
     else:
         _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr,
-                            x_scale_ptr, w13_scale_ptr, inter_ptr, inter_q_ptr, inter_scale_ptr, hidden,
-                            inter, num_experts, expert_stride, up_offset, x_scale_stride,
-                            w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K,
-                            ACTIVATION, NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                            USE_TMA, HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
-                            SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE, FUSE_QUANT)
+                            x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride,
+                            up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+                            up_scale_row, up_scale_offset, TOP_K, ACTIVATION, NUM_BINS, QUANT, UPCAST,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M,
+                            SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA,
+                            DOT_PRECISION, ROWWISE)
 
 
 @triton.jit
@@ -873,15 +849,14 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
                cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
                max_tokens: int | None = None, few: FewSlots | None = None, use_pdl: bool = False,
-               fp8: Fp8Operands | None = None, rowwise: bool = False) -> bool:
+               fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
     """GEMM1 over the dispatch layout: with `small` (the small-batch tiles) the kernel reads
     views.num_blocks[1] on the device and runs the small tiles over that layout when it is > 0,
     else `cfg`'s tiles over views.num_blocks[0]. Without `small`, `cfg`'s tiles over the layout
     views.num_blocks[layout] counts, the grid covering the M-blocks `max_tokens` (default T) tokens
     can produce. With `few`, a batch of at most FEW_SLOTS valid slots (read on the device) takes
     the few-slot path instead (always, with few.only). With fp8, x is ignored for its quantised
-    rows in fp8.views (w13 is the fp8 weights). Returns whether the launch quantised the
-    intermediate into fp8.views itself (`fuses_quantisation`)."""
+    rows in fp8.views (w13 is the fp8 weights)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -901,8 +876,6 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
         quant = fp8.code((tiles, small.gemm1 if small is not None else None),
                          up_aligned=split or inter % FP8_BLOCK == 0)
-    fuse = fuses_quantisation(fp8, cfg, small)
-    inter_q, inter_scale = (fp8.views.inter, fp8.views.inter_scale) if fuse else (views.intermediate, a_scale)
     few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     health = few.health if few is not None else None
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
@@ -912,27 +885,16 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"],
         health if health is not None else views.num_blocks,
         a_scale, w_scale,
-        views.intermediate, inter_q, inter_scale,
+        views.intermediate,
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
         QUANT=quant, UPCAST=_upcast(a.dtype), **meta,
         HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], HAS_HEALTH=health is not None,
-        DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise, FUSE_QUANT=fuse,
+        DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
-    return fuse
-
-
-def fuses_quantisation(fp8: Fp8Operands | None, cfg: ExpertsConfig,
-                       small: ExpertsConfig | None = None) -> bool:
-    """Whether a GEMM1 launch with these tile sets quantises the intermediate in its epilogue (fp8
-    block mode, every tile set FP8_BLOCK = 128 columns wide: a tile's columns are one 1x128 group
-    of each row) instead of leaving it to a second pass."""
-    if fp8 is None or fp8.group is None:
-        return False
-    return all(c.gemm1.block_n == FP8_BLOCK for c in (cfg, small) if c is not None)
 
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
@@ -1141,15 +1103,12 @@ def experts_triton(
     # The small-batch tiles in the GEMMs' own launch (config.one_launch) or in a second launch each.
     merged = small_config if small_config is not None and config.one_launch else None
     separate = small_config if merged is None else None
-    main_fused = gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl,
-                            fp8=operands, rowwise=rowwise)
-    small_fused = main_fused
+    gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl, fp8=operands,
+               rowwise=rowwise)
     if separate is not None:
-        small_fused = gemm1_into(x, w13, views, top_k, activation, separate, layout=1,
-                                 max_tokens=small_tokens, use_pdl=use_pdl, fp8=operands)
-    if operands is not None and not (main_fused and small_fused):
-        # The second pass quantises the positions of the layouts whose GEMM1 did not (block_m 0
-        # leaves a layout out: the pass's limit is max(num_blocks[i] * block_m_i)).
+        gemm1_into(x, w13, views, top_k, activation, separate, layout=1, max_tokens=small_tokens,
+                   use_pdl=use_pdl, fp8=operands)
+    if operands is not None:
         positions = max_m_blocks(num_tokens, num_experts, top_k, config.block_m) * config.block_m
         small_block_m = 0
         if small_config is not None:
@@ -1157,9 +1116,8 @@ def experts_triton(
             small_blocks = max_m_blocks(small_tokens, num_experts, top_k, small_block_m)
             positions = max(positions, small_blocks * small_block_m)
         quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
-                                operands.group or inter, views.sorted_slots, views.num_blocks,
-                                0 if main_fused else config.block_m, 0 if small_fused else small_block_m,
-                                positions, use_pdl=use_pdl)
+                                operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
+                                small_block_m, positions, use_pdl=use_pdl)
     gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
                fp8=operands, rowwise=rowwise)
     if separate is not None:
