@@ -1,7 +1,7 @@
 """fp8 prefill tiles and the block-mode scale promotion, timed on a GPU (issue 13's fp8 targets).
 
     PYTHONPATH=src python scripts/debug/fp8_prefill.py [--out FILE.json] [--shapes qwen3,deepseek]
-                                                       [--tokens 8192] [--budget-s 480]
+                                                       [--tokens 8192] [--budget-s 480] [--wide]
 
 For each shape and T: `experts_triton` with the default configs in bf16, fp8 per-tensor and fp8
 block mode (workspace, device num_valid, CUDA-graph replay over 4 rotating routings;
@@ -49,6 +49,8 @@ def _cfg(block_m: int, g1: tuple, g2: tuple, pps: int) -> ExpertsConfig:
 
 
 # (name, config): BLOCK_K 128 throughout (128 bytes of fp8 a row; block mode's scale group).
+# Run 1 (H200, 2026-11-26) timed the first six against the tiles before it; the rest (--wide)
+# look around its winners: 128-column GEMM1 tiles with TMA, and two 4-warp programs per SM.
 BLOCK_CANDIDATES = [
     ("g1n64-s4", _cfg(128, (64, 128, 8, 8, 4, False), (128, 128, 8, 8, 4, False), 1)),
     ("g1n64-s4-tma", _cfg(128, (64, 128, 8, 8, 4, True), (128, 128, 8, 8, 4, True), 1)),
@@ -56,6 +58,19 @@ BLOCK_CANDIDATES = [
     ("bm64-w4-pps2-tma", _cfg(64, (64, 128, 8, 4, 4, True), (128, 128, 8, 4, 4, True), 2)),
     ("bm128-s3-pps2-tma", _cfg(128, (64, 128, 8, 8, 3, True), (128, 128, 8, 8, 3, True), 2)),
     ("bm64-n128-w4-pps2-tma", _cfg(64, (128, 128, 8, 4, 3, True), (128, 128, 8, 4, 3, True), 2)),
+]
+WIDE_BLOCK_CANDIDATES = [
+    ("g1n128-s4-tma", _cfg(128, (128, 128, 8, 8, 4, True), (128, 128, 8, 8, 4, True), 1)),
+    ("g1n128-s3", _cfg(128, (128, 128, 8, 8, 3, False), (128, 128, 8, 8, 4, False), 1)),
+    ("g1n128-s3-g2s3-gm16-tma", _cfg(128, (128, 128, 16, 8, 3, True), (128, 128, 16, 8, 3, True), 1)),
+    ("bm64-w4-pps3-s3-tma", _cfg(64, (64, 128, 8, 4, 3, True), (128, 128, 8, 4, 3, True), 3)),
+    ("bm64-w4-pps2-g2n64-tma", _cfg(64, (64, 128, 8, 4, 4, True), (64, 128, 8, 4, 4, True), 2)),
+    ("bm64-w4-pps2-s5-tma", _cfg(64, (64, 128, 8, 4, 5, True), (128, 128, 8, 4, 5, True), 2)),
+    ("bm64-w4-pps2", _cfg(64, (64, 128, 8, 4, 4, False), (128, 128, 8, 4, 4, False), 2)),
+    ("bm64-w4-pps2-gm16-tma", _cfg(64, (64, 128, 16, 4, 4, True), (128, 128, 16, 4, 4, True), 2)),
+    ("bm64-w8-n128-pps2-tma", _cfg(64, (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 3, True), 2)),
+    ("bm128-w8-g1n64-pps2-s4-tma", _cfg(128, (64, 128, 8, 8, 4, True), (128, 128, 8, 8, 4, True), 2)),
+    ("bm128-g1n128-g2-bm64like", _cfg(128, (128, 128, 8, 8, 3, True), (64, 128, 8, 8, 4, True), 1)),
 ]
 PER_TENSOR_CANDIDATES = [
     ("n128-tma", _cfg(128, (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 4, True), 1)),
@@ -108,7 +123,7 @@ class _ForceQuant2:
 
 
 def _case(shape_name: str, num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, fp8: dict,
-          rows: list[dict], deadline: float) -> None:
+          rows: list[dict], deadline: float, wide: bool = False) -> None:
     """Every variant of one (shape, T)."""
     device = w13.device
     num_experts, top_k, hidden, inter, activation = shape = SHAPES[shape_name]
@@ -150,23 +165,26 @@ def _case(shape_name: str, num_tokens: int, w13: torch.Tensor, w2: torch.Tensor,
         return outs[0].clone()
 
     bf16 = run(None, None, "bf16 default")
-    run("per_tensor", None, "per_tensor default")
-    block3 = run("block", None, "block default (QUANT 3)")
-    block2 = run("block", None, "block default forced QUANT 2", force2=True)
-    if block3 is not None and block2 is not None:
-        same = torch.equal(block3, block2)
-        print(f"{head} QUANT 3 vs 2 bitwise equal: {same}", flush=True)
-        rows.append({"shape": shape_name, "tokens": num_tokens, "quant3_equals_quant2": same})
-    if bf16 is not None and block3 is not None:
-        rel = ((block3.float() - bf16.float()).norm() / bf16.float().norm()).item()
+    block = run("block", None, "block default (QUANT 3)")
+    if bf16 is not None and block is not None:
+        rel = ((block.float() - bf16.float()).norm() / bf16.float().norm()).item()
         print(f"{head} block vs bf16 rel. error {rel:.4f}", flush=True)
         if not math.isfinite(rel) or rel > 0.1:
             print("  ^ too large: fp8 block result is wrong", flush=True)
+    if wide:
+        for label, cfg in WIDE_BLOCK_CANDIDATES:
+            run("block", cfg, f"block {label}")
+        return
+    run("per_tensor", None, "per_tensor default")
+    block2 = run("block", None, "block default forced QUANT 2", force2=True)
+    if block is not None and block2 is not None:
+        same = torch.equal(block, block2)
+        print(f"{head} QUANT 3 vs 2 bitwise equal: {same}", flush=True)
+        rows.append({"shape": shape_name, "tokens": num_tokens, "quant3_equals_quant2": same})
     for label, cfg in BLOCK_CANDIDATES:
         run("block", cfg, f"block {label}")
     for label, cfg in PER_TENSOR_CANDIDATES:
         run("per_tensor", cfg, f"per_tensor {label}")
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -174,6 +192,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3,deepseek")
     parser.add_argument("--tokens", default="8192")
     parser.add_argument("--budget-s", type=float, default=480.0)
+    parser.add_argument("--wide", action="store_true", help="block mode only: the wider candidate list")
     args = parser.parse_args()
     deadline = time.time() + args.budget_s
     _record_compiles()
@@ -192,7 +211,7 @@ def main() -> None:
             q13, q2, s13, s2 = quantize_experts(w13, w2, mode)
             fp8[mode] = (q13, q2, check_fp8_weights(q13, q2, s13, s2))
         for num_tokens in (int(t) for t in args.tokens.split(",")):
-            _case(shape_name, num_tokens, w13, w2, fp8, rows, deadline)
+            _case(shape_name, num_tokens, w13, w2, fp8, rows, deadline, args.wide)
             torch.cuda.empty_cache()
         del w13, w2, fp8
         torch.cuda.empty_cache()
