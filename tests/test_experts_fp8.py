@@ -353,24 +353,32 @@ def test_block_scale_promotion_code() -> None:
     assert block.code((wide, None)) == 2
     assert block.code((narrow, None), up_aligned=False) == 2
     assert _fp8_operands("per_tensor").code((narrow, None)) == 1
+    # GEMM2's 256-column tiles as two halves: only when every tile set of the launch is 256 wide
+    assert block.code((wide, None), halves=True) == 4
+    assert block.code((wide, wide), halves=True) == 4
+    assert block.code((wide, narrow), halves=True) == 2
+    assert block.code((narrow, None), halves=True) == 3
+    assert _fp8_operands("per_tensor").code((wide, None), halves=True) == 1
 
 
 def _force_per_column_scales(monkeypatch: pytest.MonkeyPatch) -> None:
     from safemoe.kernels import experts as ex
 
     original = ex.Fp8Operands.code
-    monkeypatch.setattr(ex.Fp8Operands, "code", lambda op, tiles, up_aligned=True: min(original(op, tiles,
-                                                                                           up_aligned), 2))
+    monkeypatch.setattr(ex.Fp8Operands, "code",
+                        lambda op, tiles, **kwargs: min(original(op, tiles, **kwargs), 2))
 
 
 @pytest.mark.memcheck
-@pytest.mark.parametrize(("device", "inter", "block_n"), by_device(cpu=[(128, 32), (72, 64)],
-                                                                   cuda=[(256, 128), (200, 64)]))
+@pytest.mark.parametrize(("device", "inter", "block_n"), by_device(cpu=[(128, 32), (72, 64), (136, 256)],
+                                                                   cuda=[(256, 128), (200, 64), (256, 256)]))
 def test_block_one_scale_per_tile_is_the_per_column_promotion(device: str, inter: int, block_n: int,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """QUANT 3 multiplies each K step's product by one [BLOCK_M] vector (activation scales x the
     tile's weight scale) instead of an outer product of scales: the same numbers in the same
-    order, so the output is bitwise the per-column promotion's."""
+    order, so the output is bitwise the per-column promotion's. block_n 256: GEMM2 as two
+    128-column halves (QUANT 4; H = 160 leaves the second half of the tile past H, its scale row
+    clamped), GEMM1 per column (QUANT 2)."""
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     x, _, fp8w, weights, ids = _case(70, 4, 2, 160, inter, "block", dtype, seed=inter, device=device)
     x[3] = math.nan  # a non-finite row goes through both promotions alike

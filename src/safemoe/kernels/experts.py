@@ -40,7 +40,7 @@ swigluoai min(g,7)*sigmoid(1.702*min(g,7))*(clamp(u,-7,7)+1) on the same gate-th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -149,10 +149,10 @@ def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: 
          DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
     """acc + a @ b. Block mode: the K step's product is scaled by its activation-group scale
     (rows) times its 128x128 weight-block scale (columns) before it is added, DeepSeek-V3's
-    promotion of each 128-wide partial sum into the fp32 accumulator. QUANT 3 (block mode, every
-    column of the tile in one weight block): w_scale_rows_ptr is one pointer, the weight scale
-    one number, and the promotion one multiply-add per element (a [BLOCK_M] scale vector) instead
-    of an outer product of scales and a multiply before the add. ROWWISE (interpreter,
+    promotion of each 128-wide partial sum into the fp32 accumulator. QUANT 3 and 4 (block mode,
+    every column of this product in one weight block): w_scale_rows_ptr is one pointer, the weight
+    scale one number, and the promotion one multiply-add per element (a [BLOCK_M] scale vector)
+    instead of an outer product of scales and a multiply before the add. ROWWISE (interpreter,
     batch-invariant): the product is `rowwise_product` (see kernels/launch.py)."""
     if QUANT >= 2:
         w_scale = tl.load(w_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK)
@@ -160,7 +160,7 @@ def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: 
             product = rowwise_product(a, b)
         else:
             product = tl.dot(a, b)
-        if QUANT == 3:
+        if QUANT >= 3:
             return acc + product * (a_scale * w_scale)[:, None]
         return acc + product * (a_scale[:, None] * w_scale[None, :])
     elif ROWWISE:
@@ -407,7 +407,7 @@ def _gemm1_kernel(
     ACTIVATION: tl.constexpr,
     NUM_BINS: tl.constexpr,
     QUANT: tl.constexpr,  # 0: none; 1: fp8 per-tensor weights, per-token x; 2: fp8 128x128 blocks;
-    #                       3: 2 with every tile's columns in one weight block (see _quant_code)
+    #                       3: 2 with every tile's columns in one weight block (Fp8Operands.code)
     UPCAST: tl.constexpr,  # interpreter with bf16 operands: multiply in fp32
     # tunable: main tiles (layout 0)
     BLOCK_M: tl.constexpr,
@@ -484,7 +484,7 @@ def _gemm2_tile(
     a_ptrs = inter_ptr + rows64[:, None] * inter + ks[None, :]
     a_scale_rows = inter_scale_ptr + rows64 * inter_scale_stride
     w_scales = w2_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
-    if QUANT == 3:  # the tile's columns lie in one 128-row block of w2
+    if QUANT >= 3:  # the tile's columns lie in one 128-row block of w2
         w_scale_rows = w_scales + ((n_block * BLOCK_N) // SCALE_BLOCK) * w_scale_row_stride
     else:  # QUANT 2: each output column's row of block scales
         w_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
@@ -526,6 +526,76 @@ def _gemm2_tile(
 
 
 @triton.jit
+def _gemm2_halves_tile(
+    inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr, w2_scale_ptr,
+    y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """QUANT 4 (fp8 block mode, BLOCK_N = 256): one GEMM2 tile as two 128-column halves sharing
+    each K step's A tile, each half one 128-row block of w2 with one weight scale, promoted with
+    a [BLOCK_M] scale vector like QUANT 3 (twice the MMA work per wait on the promotion, A loaded
+    once). w2_arg's boxes, if a descriptor, are [128, BLOCK_K]; otherwise as _gemm2_tile."""
+    row_ok = slots >= 0
+    lo_cols = n_block * BLOCK_N + tl.arange(0, SCALE_BLOCK)
+    hi_cols = lo_cols + SCALE_BLOCK
+    ks = tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    a_ptrs = inter_ptr + rows64[:, None] * inter + ks[None, :]
+    a_scale_rows = inter_scale_ptr + rows64 * inter_scale_stride
+    w_scales = w2_scale_ptr + expert.to(tl.int64) * w_scale_expert_stride
+    lo_scales = w_scales + (2 * n_block) * w_scale_row_stride
+    # Past H (H % 256 != 0) the high half is never stored: its scale row is clamped in bounds.
+    hi_scales = w_scales + tl.minimum(2 * n_block + 1, tl.cdiv(hidden, SCALE_BLOCK) - 1) * w_scale_row_stride
+    acc_lo = tl.zeros((BLOCK_M, SCALE_BLOCK), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, SCALE_BLOCK), dtype=tl.float32)
+    if USE_TMA:
+        w_row = expert * hidden + n_block * BLOCK_N
+        for k in range(0, tl.cdiv(inter, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < inter - k * BLOCK_K)[None, :], other=0.0)
+            a = _operand(a, UPCAST)
+            b_lo = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
+            b_hi = _operand(w2_arg.load([w_row + SCALE_BLOCK, k * BLOCK_K]), UPCAST)
+            a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, 4)
+            acc_lo = _mma(acc_lo, a, b_lo.T, a_scale, lo_scales, k, BLOCK_K, 4, DOT_PRECISION, ROWWISE)
+            acc_hi = _mma(acc_hi, a, b_hi.T, a_scale, hi_scales, k, BLOCK_K, 4, DOT_PRECISION, ROWWISE)
+            a_ptrs += BLOCK_K
+    else:
+        w_expert = w2_arg + expert.to(tl.int64) * expert_stride + ks[:, None]
+        lo_ptrs = w_expert + (lo_cols % hidden).to(tl.int64)[None, :] * inter
+        hi_ptrs = w_expert + (hi_cols % hidden).to(tl.int64)[None, :] * inter
+        for k in range(0, tl.cdiv(inter, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b_lo = tl.load(lo_ptrs)
+                b_hi = tl.load(hi_ptrs)
+            else:
+                k_ok = ks < inter - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b_lo = tl.load(lo_ptrs, mask=k_ok[:, None], other=0.0)
+                b_hi = tl.load(hi_ptrs, mask=k_ok[:, None], other=0.0)
+            a = _operand(a, UPCAST)
+            a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, 4)
+            acc_lo = _mma(acc_lo, a, _operand(b_lo, UPCAST), a_scale, lo_scales, k, BLOCK_K, 4, DOT_PRECISION,
+                          ROWWISE)
+            acc_hi = _mma(acc_hi, a, _operand(b_hi, UPCAST), a_scale, hi_scales, k, BLOCK_K, 4, DOT_PRECISION,
+                          ROWWISE)
+            a_ptrs += BLOCK_K
+            lo_ptrs += BLOCK_K
+            hi_ptrs += BLOCK_K
+    safe_slots = tl.where(row_ok, slots, 0)
+    weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
+    out_rows = y_ptr + safe_slots.to(tl.int64)[:, None] * hidden
+    tl.store(out_rows + lo_cols[None, :], (acc_lo * weight[:, None]).to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (lo_cols < hidden)[None, :])
+    tl.store(out_rows + hi_cols[None, :], (acc_hi * weight[:, None]).to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (hi_cols < hidden)[None, :])
+
+
+@triton.jit
 def _gemm2_tiles(
     inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end, inter_scale_ptr, w2_scale_ptr,
     y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
@@ -539,10 +609,16 @@ def _gemm2_tiles(
     for tile in range(tl.program_id(0), num_m_blocks * num_n_blocks, tl.num_programs(0)):
         n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
                                                   sorted_slots_ptr, BLOCK_M, GROUP_M)
-        _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr,
-                    w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
-                    w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-                    EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+        if QUANT == 4:
+            _gemm2_halves_tile(inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr,
+                               w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
+                               w_scale_expert_stride, w_scale_row_stride, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                               EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+        else:
+            _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr,
+                        w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
+                        w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                        EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
 
 
 @triton.jit
@@ -723,14 +799,19 @@ class Fp8Operands:
     weights: Fp8Weights
     views: Fp8Views
 
-    def code(self, tiles: tuple[GemmTiles | None, ...], up_aligned: bool = True) -> int:
+    def code(self, tiles: tuple[GemmTiles | None, ...], up_aligned: bool = True, halves: bool = False) -> int:
         """The kernels' QUANT: 1 per-tensor; block mode 3 when the columns of every tile of the
         launch lie in one 128-row weight block (block_n <= 128, and for w13 the up rows start a
         block: gate and up quantised apart, or I % 128 == 0), so each K step's weight scale is one
-        number per tile; else 2 (a scale per column)."""
+        number per tile; with `halves` (GEMM2), 4 when every tile is 256 columns wide (two
+        128-column halves, one scale each: _gemm2_halves_tile); else 2 (a scale per column)."""
         code = _QUANT_CODES[self.weights.mode]
-        one_block = all(t is None or t.block_n <= FP8_BLOCK for t in tiles)
-        return 3 if code == 2 and one_block and up_aligned else code
+        if code != 2:
+            return code
+        widths = [t.block_n for t in tiles if t is not None]
+        if halves and all(w == 2 * FP8_BLOCK for w in widths):
+            return 4
+        return 3 if up_aligned and all(w <= FP8_BLOCK for w in widths) else 2
 
     @property
     def group(self) -> int | None:
@@ -916,12 +997,14 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
     else:
         a_scale, w_scale = fp8.views.inter_scale, fp8.weights.w2_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode)
-        quant = fp8.code((tiles, small.gemm2 if small is not None else None))
+        quant = fp8.code((tiles, small.gemm2 if small is not None else None), halves=True)
     del strides["up_scale_row"], strides["up_scale_offset"]
     few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
+    # QUANT 4 loads each half's [128, block_k] box on its own
+    weight_operand = _weight_operand(w2, replace(tiles, block_n=FP8_BLOCK) if quant == 4 else tiles)
     _gemm2_kernel[(grid,)](
-        a, _weight_operand(w2, tiles), small_arg, few_arg, weights, views.sorted_slots, views.block_end,
+        a, weight_operand, small_arg, few_arg, weights, views.sorted_slots, views.block_end,
         views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"], a_scale, w_scale,
         views.y,
         few_args["num_valid_count"], num_tokens,
