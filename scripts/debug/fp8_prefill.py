@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/debug/fp8_prefill.py [--out FILE.json] [--shapes qwen3,deepseek]
                                                        [--tokens 8192] [--budget-s 480] [--wide]
+                                                       [--decode --tokens 8,64,256]
 
 For each shape and T: `experts_triton` with the default configs in bf16, fp8 per-tensor and fp8
 block mode (workspace, device num_valid, CUDA-graph replay over 4 rotating routings;
@@ -21,12 +22,13 @@ import json
 import math
 import re
 import time
+from dataclasses import replace
 
 import torch
 
 from safemoe._checks import NumValid, check_fp8_weights
 from safemoe.bench.experts import Inputs, timing_args
-from safemoe.bench.harness import time_graph
+from safemoe.bench.harness import distinct_experts, time_graph
 from safemoe.configs import ExpertsConfig, GemmTiles
 from safemoe.fp8 import quantize_experts
 from safemoe.kernels import experts as ex
@@ -68,6 +70,19 @@ WIDE_BLOCK_CANDIDATES = [
     ("g2n256-s3", _cfg(128, (128, 128, 8, 8, 3, True), (256, 128, 8, 8, 3, False), 1)),
     ("g2n256-gm16-s3-tma", _cfg(128, (128, 128, 16, 8, 3, True), (256, 128, 16, 8, 3, True), 1)),
     ("bm64-g2n256-pps2-tma", _cfg(64, (128, 128, 8, 4, 3, True), (256, 128, 8, 4, 3, True), 2)),
+]
+# Decode (--decode: T = 8, 64, 256), both modes; per-tensor may step 256 wide.
+BOTH = ("per_tensor", "block")
+DECODE_CANDIDATES = [
+    ("bm16-s6-tma", _cfg(16, (32, 128, 1, 4, 6, True), (64, 128, 1, 4, 6, True), 4), BOTH),
+    ("bm16-s4-tma", _cfg(16, (32, 128, 1, 4, 4, True), (64, 128, 1, 4, 4, True), 4), BOTH),
+    ("bm16-n64-s6", _cfg(16, (64, 128, 1, 4, 6, False), (128, 128, 1, 4, 6, False), 4), BOTH),
+    ("bm16-s8", _cfg(16, (32, 128, 1, 4, 8, False), (64, 128, 1, 4, 8, False), 4), BOTH),
+    ("bm32-n64-s4", _cfg(32, (64, 128, 4, 4, 4, False), (128, 128, 4, 4, 4, False), 4), BOTH),
+    ("bm32-n128-w8-s3", _cfg(32, (128, 128, 4, 8, 3, False), (128, 128, 4, 8, 3, False), 4),
+     BOTH),
+    ("bm16-k256-s4", _cfg(16, (32, 256, 1, 4, 4, False), (64, 256, 1, 4, 4, False), 4), ("per_tensor",)),
+    ("bm16-k256-s4-tma", _cfg(16, (32, 256, 1, 4, 4, True), (64, 256, 1, 4, 4, True), 4), ("per_tensor",)),
 ]
 PER_TENSOR_CANDIDATES = [
     ("n128-tma", _cfg(128, (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 4, True), 1)),
@@ -120,7 +135,7 @@ class _ForceQuant2:
 
 
 def _case(shape_name: str, num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, fp8: dict,
-          rows: list[dict], deadline: float, wide: bool = False) -> None:
+          rows: list[dict], deadline: float, wide: bool = False, decode: bool = False) -> None:
     """Every variant of one (shape, T)."""
     device = w13.device
     num_experts, top_k, hidden, inter, activation = shape = SHAPES[shape_name]
@@ -131,7 +146,8 @@ def _case(shape_name: str, num_tokens: int, w13: torch.Tensor, w2: torch.Tensor,
     flops = 2 * num_tokens * top_k * 3 * hidden * inter
     head = f"{shape_name:9} {num_tokens:6}"
 
-    def run(mode: str | None, config: ExpertsConfig | None, label: str, force2: bool = False):
+    def run(mode: str | None, config: ExpertsConfig | None, label: str, force2: bool = False,
+            want_us: bool = False):
         if time.time() > deadline:
             print(f"{head} {label:32} skipped (budget)", flush=True)
             return None
@@ -159,8 +175,20 @@ def _case(shape_name: str, num_tokens: int, w13: torch.Tensor, w2: torch.Tensor,
               f"{g1.get('dots')} waits {g1.get('dot_waits')}  g2 regs {g2.get('regs')} spills "
               f"{g2.get('spills')} async {g2.get('async_dots')}/{g2.get('dots')} waits "
               f"{g2.get('dot_waits')}", flush=True)
-        return outs[0].clone()
+        return us if want_us else outs[0].clone()
 
+    if decode:
+        read_bytes = distinct_experts(num_experts, top_k, num_tokens) * 3 * hidden * inter  # fp8 weights
+        for mode in ("per_tensor", "block"):
+            us_default = run(mode, None, f"{mode} default", want_us=True)
+            if us_default:
+                print(f"{head}   -> {read_bytes / us_default / 1e3:.0f} GB/s of fp8 weights", flush=True)
+            for label, cfg, modes in DECODE_CANDIDATES:
+                if mode in modes:  # with PDL, as the heuristic's decode tiles run
+                    us = run(mode, replace(cfg, pdl=True), f"{mode} {label}", want_us=True)
+                    if us:
+                        print(f"{head}   -> {read_bytes / us / 1e3:.0f} GB/s of fp8 weights", flush=True)
+        return
     bf16 = run(None, None, "bf16 default")
     block = run("block", None, "block default (QUANT 3)")
     if bf16 is not None and block is not None:
@@ -190,6 +218,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="8192")
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--wide", action="store_true", help="block mode only: the wider candidate list")
+    parser.add_argument("--decode", action="store_true",
+                        help="decode tiles of both modes (use --tokens 8,64,256)")
     args = parser.parse_args()
     deadline = time.time() + args.budget_s
     _record_compiles()
@@ -208,7 +238,7 @@ def main() -> None:
             q13, q2, s13, s2 = quantize_experts(w13, w2, mode)
             fp8[mode] = (q13, q2, check_fp8_weights(q13, q2, s13, s2))
         for num_tokens in (int(t) for t in args.tokens.split(",")):
-            _case(shape_name, num_tokens, w13, w2, fp8, rows, deadline, args.wide)
+            _case(shape_name, num_tokens, w13, w2, fp8, rows, deadline, args.wide, args.decode)
             torch.cuda.empty_cache()
         del w13, w2, fp8
         torch.cuda.empty_cache()

@@ -196,11 +196,10 @@ def heuristic_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: 
     mode with these tiles beat per-tensor's then 256-wide, 4-stage tiles on DeepSeek-V3 at T = 64
     and 256 (2595 vs 2742 us, 3056 vs 3250 us) although its quantisation launches of that run cost
     far more (407 us measured alone at T = 8), so per-tensor uses them too (not re-measured). Prefill:
-    128-row M-blocks, 128-wide K steps (128 bytes, like bf16's 64), 8 warps, TMA weights, 128
-    columns (GEMM2 in per-tensor mode 256; block mode keeps 128, one weight scale per tile).
+    128-row M-blocks, 128-wide K steps (128 bytes, like bf16's 64), 8 warps, TMA weights, GEMM1
+    128 columns (times gate and up), GEMM2 256.
     """
     rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
-    block = quant == "block"
     if rows_per_expert <= 16:
         return ExpertsConfig(
             block_m=16,
@@ -218,14 +217,15 @@ def heuristic_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: 
             pdl=True,
         )
     # Prefill, measured on an H200 (2026-11-26, scripts/debug/fp8_prefill.py, T = 8192, us per
-    # experts call; old tiles -> these): block Qwen3 1329 -> 1239, DeepSeek-V3 10483 -> 9772 (GEMM1
-    # at 128 columns spills ~10 registers on triton 3.6 and is still the fastest); per-tensor
-    # Qwen3 1139 -> 1056, DeepSeek-V3 8465 -> 7603 (GEMM2 256 columns wide, TMA weights).
+    # experts call, old tiles -> these, one run each): block Qwen3 1329 -> 1166, DeepSeek-V3
+    # 10483 -> 9359 (GEMM1 at 128 columns spills ~10 registers on triton 3.6 and is still the
+    # fastest; GEMM2 256 columns as two halves, QUANT 4 of kernels/experts.py); per-tensor Qwen3
+    # 1139 -> 1056, DeepSeek-V3 8465 -> 7603. 22 other candidates were slower (bench/results/logs/
+    # fp8_prefill*_NVIDIA-H200_2026-11-26.*).
     return ExpertsConfig(
         block_m=128,
         gemm1=GemmTiles(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, tma=True),
-        gemm2=GemmTiles(block_n=128 if block else 256, block_k=128, group_m=8, num_warps=8,
-                        num_stages=4 if block else 3, tma=True),
+        gemm2=GemmTiles(block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3, tma=True),
         programs_per_sm=1,
     )
 
