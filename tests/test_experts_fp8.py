@@ -206,28 +206,70 @@ def test_round_to_e4m3_matches_torch_cast_bitwise() -> None:
     assert_equal(dst.view(torch.uint8), src.to(FP8_DTYPE).view(torch.uint8), what="fp8 codes")
 
 
+def _e4m3_ties(dtype: torch.dtype) -> torch.Tensor:
+    """Every midpoint between two neighbouring e4m3 values up to 448 that `dtype` holds exactly:
+    divided by a scale of exactly 1 they are ties, which round to the even code."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = torch.sort(codes[torch.isfinite(codes)].unique()).values
+    ties = (grid[1:] + grid[:-1]) / 2
+    return ties[ties.to(dtype).float() == ties]
+
+
+def _quantize_case(dtype: torch.dtype, group: int) -> tuple[torch.Tensor, int]:
+    """(rows [37, 300] with NaN, +-Inf, an all-zero row, magnitudes 1e-4..1e4 and rows of exact
+    ties (each group's amax 448, so its scale is 1), NaN past the valid rows; valid rows)."""
+    gen = torch.Generator().manual_seed(group)
+    rows, cols, valid = 37, 300, 30
+    t = (torch.randn(rows, cols, generator=gen) * torch.logspace(-4, 4, rows)[:, None]).to(dtype)
+    t[3, 5], t[7, 200], t[11, 130], t[9] = math.nan, math.inf, -math.inf, 0.0
+    ties = _e4m3_ties(dtype)
+    for row in (20, 21):
+        t[row] = ties.repeat(cols // ties.numel() + 1)[:cols].to(dtype) * (1 if row == 20 else -1)
+        t[row, ::min(group, cols)] = 448.0
+    t[valid:] = math.nan
+    return t, valid
+
+
+def _check_quantized_rows(t: torch.Tensor, valid: int, group: int) -> None:
+    """quantize_rows_into on t (its device) against quantize_groups_reference on the CPU, bit for
+    bit; rows past `valid` neither read nor written."""
+    rows, cols = t.shape
+    num_groups = -(-cols // group)
+    q = torch.full((rows, cols), 0x7F, dtype=torch.uint8, device=t.device).view(FP8_DTYPE)  # NaN codes
+    scale = torch.full((rows, num_groups), -1.0, device=t.device)
+    quantize_rows_into(t, q, scale, group, NumValid(None, torch.tensor(valid, device=t.device)))
+    ref_q, ref_scale = quantize_groups_reference(t[:valid].cpu(), group)
+    assert_equal(q[:valid].view(torch.uint8), ref_q.view(torch.uint8), what="codes")
+    assert_equal(scale[:valid], ref_scale, what="scales")
+    assert bool((q[valid:].view(torch.uint8) == 0x7F).all()) and bool((scale[valid:] == -1).all())
+
+
 @interpreter_only("CPU tensors, bits measured on the interpreter")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("group", "max_one_chunk"), [(128, 16384), (300, 16384), (300, 64)])
 def test_quantize_rows_kernel_matches_reference_bitwise(dtype: torch.dtype, group: int, max_one_chunk: int,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Codes and scales equal the reference's bit for bit (NaN, +-Inf, all-zero, tiny and huge
-    rows included); rows at or past num_valid are neither read nor written. max_one_chunk = 64:
-    groups longer than one load take the two-pass path (per-token groups past 16384 columns)."""
+    rows, exact ties included); rows at or past num_valid are neither read nor written.
+    max_one_chunk = 64: groups longer than one load take the two-pass path (per-token groups past
+    16384 columns)."""
     monkeypatch.setattr("safemoe.kernels.act_quant._MAX_ONE_CHUNK", max_one_chunk)
-    gen = torch.Generator().manual_seed(group)
-    rows, cols, valid = 37, 300, 30
-    t = (torch.randn(rows, cols, generator=gen) * torch.logspace(-4, 4, rows)[:, None]).to(dtype)
-    t[3, 5], t[7, 200], t[11, 130], t[9] = math.nan, math.inf, -math.inf, 0.0
-    t[valid:] = math.nan
-    num_groups = -(-cols // group)
-    q = torch.full((rows, cols), 0x7F, dtype=torch.uint8).view(FP8_DTYPE)  # NaN codes
-    scale = torch.full((rows, num_groups), -1.0)
-    quantize_rows_into(t, q, scale, group, NumValid(None, torch.tensor(valid)))
-    ref_q, ref_scale = quantize_groups_reference(t[:valid], group)
-    assert_equal(q[:valid].view(torch.uint8), ref_q.view(torch.uint8), what="codes")
-    assert_equal(scale[:valid], ref_scale, what="scales")
-    assert bool((q[valid:].view(torch.uint8) == 0x7F).all()) and bool((scale[valid:] == -1).all())
+    t, valid = _quantize_case(dtype, group)
+    _check_quantized_rows(t, valid, group)
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("group", "max_one_chunk"), [(128, 16384), (300, 16384), (300, 64)])
+def test_quantize_rows_kernel_matches_reference_bitwise_compiled(dtype: torch.dtype, group: int,
+                                                                 max_one_chunk: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same cases compiled, where the hardware's fp32 -> e4m3 cast does the rounding (ties to
+    even, saturation at 448) that the interpreter's kernel does in fp32 arithmetic."""
+    monkeypatch.setattr("safemoe.kernels.act_quant._MAX_ONE_CHUNK", max_one_chunk)
+    t, valid = _quantize_case(dtype, group)
+    _check_quantized_rows(t.cuda(), valid, group)
 
 
 def test_quantize_groups_reference_rules() -> None:

@@ -17,9 +17,11 @@ Which rows are quantised (the others are neither read nor written):
   (max(num_blocks[0] * block_m0, num_blocks[1] * block_m1), read on the device) whose slot is
   not the -1 padding sentinel.
 Grids are persistent and depend on shapes only (CUDA-graph safe); the work scales with the rows
-in use. Rounding is done in fp32 arithmetic (`round_to_e4m3`), so the final cast converts an
-exactly representable value: the same bits on the GPU and under the Triton interpreter (whose
-fp32 -> fp8 cast neither rounds to nearest even nor carries a mantissa overflow correctly).
+in use. Compiled, the final fp32 -> e4m3 cast rounds to nearest even and saturates (the hardware's
+cvt.rn.satfinite, as torch's cast); under the Triton interpreter, whose cast neither rounds to
+nearest even nor carries a mantissa overflow correctly, the values are rounded in fp32 arithmetic
+first (`round_to_e4m3`), so the cast converts exactly representable values: the same bits either
+way (tests/test_experts_fp8.py checks both against the reference).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
+from safemoe._triton import interpreter_enabled
 from safemoe.kernels.launch import launch_options, load_num_valid, persistent_grid, wait_for_previous_kernel
 from safemoe.numerics import FLT_MAX, FP8_AMAX_FLOOR, FP8_MAX
 
@@ -68,10 +71,17 @@ def _stats(v, amax, bad):
 
 
 @triton.jit
-def _codes(v, divisor, is_bad):
-    """fp32 e4m3 values of the tile v (rows divided by their scale); 0 in non-finite groups."""
+def _codes(v, divisor, is_bad, NATIVE_CAST: tl.constexpr):
+    """The tile v's rows divided by their scale, ready for the cast to e4m3; 0 in non-finite
+    groups. NATIVE_CAST (compiled): the cast itself rounds to nearest even and saturates at 448
+    (cvt.rn.satfinite on sm_89+, as torch's cast), so the clamp and `round_to_e4m3` are left to it:
+    they were about a third of this kernel's instructions, and the kernel was issue-bound (H200,
+    ncu: 68% issue slots busy, 21% of DRAM bandwidth). Interpreter: its cast does neither, so
+    the values are rounded here, in fp32 arithmetic (exact e4m3 values: the cast converts them
+    as they are)."""
     q = tl.math.div_rn(tl.where(tl.abs(v) <= _FLT_MAX, v, 0.0), divisor)
-    q = round_to_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
+    if not NATIVE_CAST:
+        q = round_to_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
     return tl.where(is_bad[:, None], 0.0, q)
 
 
@@ -98,6 +108,7 @@ def _quantize_kernel(
     BLOCK_C: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # BLOCK_C >= group_len: a group is loaded once and kept in registers
     USE_PDL: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,  # compiled: the fp8 cast rounds (see _codes)
 ):
     wait_for_previous_kernel(USE_PDL)
     if SORTED:
@@ -136,14 +147,16 @@ def _quantize_kernel(
         tl.store(scale_ptr + rows64 * num_groups + group, tl.where(is_bad, float("nan"), scale), mask=row_ok)
         divisor = tl.broadcast_to(tl.where(is_bad, 1.0, scale)[:, None], (BLOCK_R, BLOCK_C))
         if ONE_CHUNK:
-            tl.store(q_ptr + offsets, _codes(v, divisor, is_bad).to(q_ptr.dtype.element_ty), mask=mask)
+            q = _codes(v, divisor, is_bad, NATIVE_CAST)
+            tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
         else:
             for c0 in range(start, end, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 mask = row_ok[:, None] & (cols < end)[None, :]
                 offsets = row_offsets[:, None] + cols[None, :]
                 v = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-                tl.store(q_ptr + offsets, _codes(v, divisor, is_bad).to(q_ptr.dtype.element_ty), mask=mask)
+                q = _codes(v, divisor, is_bad, NATIVE_CAST)
+                tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 # Longest group quantised from registers in one load (fp32: 64 values a thread at 8 warps); a
@@ -181,7 +194,8 @@ def quantize_rows_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
         num_valid.count if num_valid.count is not None else num_rows, num_rows, row_len, group_len,
         scale.shape[1], 0, 0,
         SORTED=False, HAS_NUM_VALID_PTR=has_nv_ptr, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=one_chunk,
-        USE_PDL=use_pdl, num_warps=num_warps, **launch_options(use_pdl),
+        USE_PDL=use_pdl, NATIVE_CAST=not interpreter_enabled(), num_warps=num_warps,
+        **launch_options(use_pdl),
     )
 
 
@@ -200,5 +214,6 @@ def quantize_positions_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Ten
         q, scale,
         0, src.shape[0], row_len, group_len, scale.shape[1], block_m0, block_m1,
         SORTED=True, HAS_NUM_VALID_PTR=False, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=one_chunk,
-        USE_PDL=use_pdl, num_warps=num_warps, **launch_options(use_pdl),
+        USE_PDL=use_pdl, NATIVE_CAST=not interpreter_enabled(), num_warps=num_warps,
+        **launch_options(use_pdl),
     )
