@@ -79,8 +79,11 @@ def _codes(v, divisor, is_bad, NATIVE_CAST: tl.constexpr):
     ncu: 68% issue slots busy, 21% of DRAM bandwidth). Interpreter: its cast does neither, so
     the values are rounded here, in fp32 arithmetic (exact e4m3 values: the cast converts them
     as they are)."""
-    q = tl.math.div_rn(tl.where(tl.abs(v) <= _FLT_MAX, v, 0.0), divisor)
-    if not NATIVE_CAST:
+    if NATIVE_CAST:
+        # A non-finite value's quotient is replaced below with its whole group's: no guard needed.
+        q = tl.math.div_rn(v, divisor)
+    else:
+        q = tl.math.div_rn(tl.where(tl.abs(v) <= _FLT_MAX, v, 0.0), divisor)
         q = round_to_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
     return tl.where(is_bad[:, None], 0.0, q)
 
