@@ -1,0 +1,99 @@
+"""A padded decode step's cost with the small-batch tiles in the GEMMs' own launch (one_launch)
+or in a launch of their own, on a GPU (issue 13's padding target: T = 1024 with one valid row
+<= 1.1x T = 1).
+
+    PYTHONPATH=src python scripts/debug/padded_step.py [--shapes qwen3,mixtral,gptoss,deepseek]
+                                                       [--tokens 1024] [--out FILE.json]
+
+For each shape: `experts_triton` at T = 1 (its own config), then at each bucket T with the device
+table's tiles, one_launch off and on, at num_valid = 1 (the few-slot path: a separate small-tile
+launch still runs, empty), 8 (the small-batch tiles) and T (a full batch). Workspace, device
+num_valid, CUDA-graph replay over 8 rotating routings. A measurement script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import torch
+
+from safemoe._checks import NumValid
+from safemoe.bench.harness import time_graph
+from safemoe.configs import get_config
+from safemoe.kernels import experts as ex
+from safemoe.workspace import Workspace
+
+SHAPES = {  # E, K, H, I, activation
+    "qwen3": (128, 8, 2048, 768, "silu"),
+    "mixtral": (8, 2, 4096, 14336, "silu"),
+    "gptoss": (128, 4, 2880, 2880, "swigluoai"),
+    "deepseek": (256, 8, 7168, 2048, "silu"),
+}
+VARIANTS = 8
+
+
+def _timer(shape, num_tokens: int):
+    num_experts, top_k, hidden, inter, activation = shape
+    dev = torch.device("cuda")
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=dev, dtype=torch.bfloat16) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=dev, dtype=torch.bfloat16) * inter**-0.5
+    xs = [torch.randn(num_tokens, hidden, device=dev, dtype=torch.bfloat16) for _ in range(VARIANTS)]
+    ids = [torch.topk(torch.rand(num_tokens, num_experts, device=dev), top_k).indices.to(torch.int32)
+           for _ in range(VARIANTS)]
+    weights = [torch.rand(num_tokens, top_k, device=dev) for _ in range(VARIANTS)]
+    outs = [torch.empty_like(x) for x in xs]
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, dev)
+
+    def time_it(num_valid: int, one_launch: bool | None) -> float:
+        nv = NumValid(None, torch.tensor(num_valid, device=dev, dtype=torch.int32))
+        kwargs = {}
+        if one_launch is not None:
+            cfg = replace(get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, dev),
+                          one_launch=one_launch)
+            kwargs = {"config": cfg,
+                      "small_config": ex.small_batch_config(num_tokens, num_experts, hidden, inter, top_k,
+                                                            torch.bfloat16, dev, cfg),
+                      "few_config": ex.few_slots_config(num_tokens, num_experts, hidden, inter, top_k,
+                                                        torch.bfloat16, dev, cfg)}
+
+        def step(j: int) -> None:
+            ex.experts_triton(xs[j], w13, w2, weights[j], ids[j], activation=activation, num_valid=nv,
+                              health=None, workspace=ws, out=outs[j], **kwargs)
+
+        return time_graph(step, n_variants=VARIANTS)
+
+    return time_it
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
+    parser.add_argument("--tokens", default="1024")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}; us per experts_triton call (median, graph replay)", flush=True)
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        one = _timer(shape, 1)(1, None)
+        print(f"{name:9} T=1: {one:8.2f} us", flush=True)
+        for num_tokens in (int(t) for t in args.tokens.split(",")):
+            time_it = _timer(shape, num_tokens)
+            for one_launch in (False, True):
+                row = {"shape": name, "tokens": num_tokens, "one_launch": one_launch, "t1_us": round(one, 2)}
+                for num_valid in (1, 8, num_tokens):
+                    row[f"valid_{num_valid}"] = round(time_it(num_valid, one_launch), 2)
+                rows.append(row)
+                print(f"{name:9} T={num_tokens} one_launch={one_launch!s:5}: 1 valid {row['valid_1']:8.2f} "
+                      f"({row['valid_1'] / one:.2f}x T=1)  8 valid {row['valid_8']:8.2f}  full "
+                      f"{row[f'valid_{num_tokens}']:9.2f}", flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
