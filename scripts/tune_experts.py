@@ -22,11 +22,11 @@ How it searches (per model shape and token bucket T):
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
    timed at T = its bucket with the small tiles in the GEMMs' own launch and in a second launch
-   each, on a full batch (num_valid = T) and on a padded decode step (num_valid = 8, the
-   small-batch regime; one valid row takes the few-slot path, which one_launch does not change),
-   ONE_LAUNCH_ROUNDS interleaved rounds each, medians compared: `choose_one_launch` (merged only
-   when the padded step gets faster and the full batch is not slower by more than
-   ONE_LAUNCH_TOLERANCE).
+   each, on a full batch (num_valid = T) and on two padded decode steps (num_valid = 8, the
+   small-batch regime, and 1, the few-slot path, which still runs the empty small-tile launches
+   when they are separate), ONE_LAUNCH_ROUNDS interleaved rounds each, medians compared:
+   `choose_one_launch` (merged only when the two padded steps together get faster and the full
+   batch is not slower by more than ONE_LAUNCH_TOLERANCE).
    --one-launch-only does this step alone for the entries already in the device table (tiles
    kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning.
 Results: OUT_DIR/tune_log.json (winners, with their times, `one_launch_us`, and every timing in
@@ -93,9 +93,13 @@ N_VARIANTS = 4
 # PDL where a padded decode step can replay: H100 2026-11-24, Qwen3 T = 1024 with one valid row
 # 46.0 -> 42.5 us with it, full batches within 1%.
 PDL_MAX_TOKENS = 1024
-# The padded decode step of the one_launch decision: the small-batch regime's largest count. One
-# valid row now takes the few-slot path (num_valid * K <= 16), which one_launch does not change.
+# The padded decode steps of the one_launch decision: the small-batch regime's largest count, and
+# one valid row. One row takes the few-slot path, whose tiles one_launch does not change, but with
+# the small tiles in launches of their own those two launches still run, empty: H200 2026-11-26
+# (scripts/debug/padded_step.py), Qwen3 T = 1024 with one valid row 33.9 us with them, 30.4 merged.
+# (Until then the decision timed 8 rows only, believing one row unaffected.)
 ONE_LAUNCH_PADDED_ROWS = SMALL_BATCH_TOKENS
+ONE_LAUNCH_ONE_ROW = 1
 # The few-slot path compiled into the launch of buckets up to this; prefill buckets leave it out
 # (it cost them 2-3%, H100 2026-11-24), and their candidates are timed without it.
 FEW_MAX_TOKENS = 1024
@@ -236,8 +240,9 @@ def choose_one_launch(
     tolerance: float = ONE_LAUNCH_TOLERANCE,
 ) -> bool:
     """one_launch for a bucket from its four timings (us; `two`: small tiles in a second launch
-    per GEMM, `one`: merged): True only when the padded decode step (num_valid = 8) gets faster
-    and the full batch (num_valid = T) gets no slower than `tolerance` (a fraction)."""
+    per GEMM, `one`: merged): True only when the padded decode steps (num_valid = 8 and 1, their
+    medians added) get faster and the full batch (num_valid = T) gets no slower than `tolerance`
+    (a fraction)."""
     return padded_one < padded_two and full_one <= full_two * (1.0 + tolerance)
 
 
@@ -620,14 +625,15 @@ def decide_one_launch(
     deadline: float,
 ) -> tuple[bool, dict[str, dict[str, float]]] | None:
     """(one_launch, median us of each side) for `cfg` at case's T with `small` as its small-batch
-    tiles: ONE_LAUNCH_ROUNDS interleaved rounds of a full batch and a padded decode step
-    (ONE_LAUNCH_PADDED_ROWS valid rows of T, the same graph), each with the small tiles in a second
-    launch and merged. None when the budget runs out or a timing fails (the caller then leaves
-    one_launch off)."""
+    tiles: ONE_LAUNCH_ROUNDS interleaved rounds of a full batch and two padded decode steps
+    (ONE_LAUNCH_PADDED_ROWS and ONE_LAUNCH_ONE_ROW valid rows of T, the same graph), each with the
+    small tiles in a second launch and merged. None when the budget runs out or a timing fails
+    (the caller then leaves one_launch off)."""
     rows = ONE_LAUNCH_PADDED_ROWS
     batches = (
         ("full_batch", None, cfg.extra.get("us")),
         ("padded_decode", rows, estimate_us(case.name, rows)),
+        ("padded_one_row", ONE_LAUNCH_ONE_ROW, estimate_us(case.name, ONE_LAUNCH_ONE_ROW)),
     )
     times: dict[tuple[str, bool], list[float]] = {}
     for _ in range(ONE_LAUNCH_ROUNDS):
@@ -646,8 +652,8 @@ def decide_one_launch(
     choice = choose_one_launch(
         med["full_batch", False],
         med["full_batch", True],
-        med["padded_decode", False],
-        med["padded_decode", True],
+        med["padded_decode", False] + med["padded_one_row", False],
+        med["padded_decode", True] + med["padded_one_row", True],
     )
     summary = {
         batch: {"two_launches": round(med[batch, False], 2), "one_launch": round(med[batch, True], 2)}

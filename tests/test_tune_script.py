@@ -138,26 +138,36 @@ class _FakeCase:
 def test_decide_one_launch_times_both_batches_interleaved_and_logs_them():
     tune = _load()
     cfg, small = _cfg(64, extra={"us": 620.0}), _cfg(16)
-    rows = tune.ONE_LAUNCH_PADDED_ROWS
-    assert rows == tune.SMALL_BATCH_TOKENS
-    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 622.0, (False, rows): 51.3, (True, rows): 46.9})
+    rows, one = tune.ONE_LAUNCH_PADDED_ROWS, tune.ONE_LAUNCH_ONE_ROW
+    assert (rows, one) == (tune.SMALL_BATCH_TOKENS, 1)
+    times = {(False, 1024): 620.0, (True, 1024): 622.0, (False, rows): 51.3, (True, rows): 46.9,
+             (False, one): 33.9, (True, one): 30.4}
+    case = _FakeCase(times)
     log: list = []
     choice, summary = tune.decide_one_launch(case, cfg, small, log, deadline=float("inf"))
     assert choice is True, "the outlier must not decide it (medians of the rounds)"
     assert summary == {
         "full_batch": {"two_launches": 620.0, "one_launch": 622.0},
         "padded_decode": {"two_launches": 51.3, "one_launch": 46.9},
+        "padded_one_row": {"two_launches": 33.9, "one_launch": 30.4},
     }
     rounds = tune.ONE_LAUNCH_ROUNDS
-    assert [c[:2] for c in case.calls] == [(False, 1024), (True, 1024), (False, rows), (True, rows)] * rounds
+    assert [c[:2] for c in case.calls] == [(False, 1024), (True, 1024), (False, rows), (True, rows),
+                                           (False, one), (True, one)] * rounds
     assert all(c[2] is small for c in case.calls)
-    assert len(log) == 4 * rounds
+    assert len(log) == 6 * rounds
     assert {(e["sweep"], e["config"]["one_launch"], e["num_valid"]) for e in log} == {
-        ("one_launch", merged, nv) for merged in (False, True) for nv in (1024, rows)
+        ("one_launch", merged, nv) for merged in (False, True) for nv in (1024, rows, one)
     }
     assert all(e["small"] == small.to_json() and "us" in e for e in log)
     # a full batch that gets 2% slower keeps two launches
-    case = _FakeCase({(False, 1024): 620.0, (True, 1024): 633.0, (False, rows): 51.3, (True, rows): 46.9})
+    case = _FakeCase({**times, (True, 1024): 633.0})
+    assert tune.decide_one_launch(case, cfg, small, [], deadline=float("inf"))[0] is False
+    # the one-row step alone can decide it: 8 rows unchanged, one row 3.5 us faster merged
+    case = _FakeCase({**times, (True, rows): 51.3})
+    assert tune.decide_one_launch(case, cfg, small, [], deadline=float("inf"))[0] is True
+    # both padded steps together must gain: one row faster, 8 rows slower by more
+    case = _FakeCase({**times, (True, rows): 56.0})
     assert tune.decide_one_launch(case, cfg, small, [], deadline=float("inf"))[0] is False
     # out of budget: nothing decided
     assert tune.decide_one_launch(case, cfg, small, [], deadline=0.0) is None
@@ -274,7 +284,8 @@ def test_case_step_passes_small_tiles_and_padded_num_valid(monkeypatch):
 def _fake_gpu(monkeypatch, tmp_path, tune):
     """main() on the CPU: a fake CUDA device "FakeGPU" (no device table, so get_config falls back
     to the heuristic), a tiny shape, the device file under tmp_path, and Case.time returning fixed
-    times: merged pays at T=64 (padded 30 -> 25 us, full batch +0.5%), not at T=1024 (full +5%)."""
+    times: merged pays at T=64 (padded 30 -> 25 us and 22 -> 20 us, full batch +0.5%), not at
+    T=1024 (full +5%)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -292,6 +303,8 @@ def _fake_gpu(monkeypatch, tmp_path, tune):
         assert small is not None and small.block_m < cfg.block_m
         if num_valid == tune.ONE_LAUNCH_PADDED_ROWS:
             return 25.0 if cfg.one_launch else 30.0
+        if num_valid == tune.ONE_LAUNCH_ONE_ROW:
+            return 20.0 if cfg.one_launch else 22.0
         return full[self.num_tokens][cfg.one_launch]
 
     monkeypatch.setattr(tune.Case, "time", fake_time)
@@ -307,6 +320,7 @@ def _check_written(path, tune, key):
     assert entries["64"]["one_launch_us"] == {
         "full_batch": {"two_launches": 100.0, "one_launch": 100.5},
         "padded_decode": {"two_launches": 30.0, "one_launch": 25.0},
+        "padded_one_row": {"two_launches": 22.0, "one_launch": 20.0},
     }
     assert "one_launch_us" not in entries["8"], "no small-batch tiles at T <= SMALL_BATCH_TOKENS"
     return data
@@ -327,7 +341,7 @@ def test_main_one_launch_only_writes_decisions(monkeypatch, tmp_path):
     assert data["date"] == "old", "the table's tiles (and their run's metadata) are kept"
     assert data["configs"][key]["8"] == entries["8"]
     log = json.loads((out / "tune_log.json").read_text())["log"]
-    assert len(log) == 2 * 4 * tune.ONE_LAUNCH_ROUNDS and {e["T"] for e in log} == {64, 1024}
+    assert len(log) == 2 * 6 * tune.ONE_LAUNCH_ROUNDS and {e["T"] for e in log} == {64, 1024}
     # --tokens picks buckets: only T=1024 re-decided, the T=64 entry as written before
     path.write_text(json.dumps({"notes": "kept", "configs": {key: entries}}))
     assert tune.main([*argv, "--tokens", "1000"]) == 0
