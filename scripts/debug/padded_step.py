@@ -46,17 +46,19 @@ def _timer(shape, num_tokens: int):
     outs = [torch.empty_like(x) for x in xs]
     ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, dev)
 
-    def time_it(num_valid: int, one_launch: bool | None) -> float:
+    def time_it(num_valid: int, one_launch: bool | None, few_bucket: int | None = None) -> float:
         nv = NumValid(None, torch.tensor(num_valid, device=dev, dtype=torch.int32))
         kwargs = {}
         if one_launch is not None:
             cfg = replace(get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, dev),
                           one_launch=one_launch)
+            few = ex.few_slots_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, dev, cfg)
+            if few_bucket is not None:  # another bucket's tiles for the few-slot path
+                few = get_config(few_bucket, num_experts, hidden, inter, top_k, torch.bfloat16, dev)
             kwargs = {"config": cfg,
                       "small_config": ex.small_batch_config(num_tokens, num_experts, hidden, inter, top_k,
                                                             torch.bfloat16, dev, cfg),
-                      "few_config": ex.few_slots_config(num_tokens, num_experts, hidden, inter, top_k,
-                                                        torch.bfloat16, dev, cfg)}
+                      "few_config": few}
 
         def step(j: int) -> None:
             ex.experts_triton(xs[j], w13, w2, weights[j], ids[j], activation=activation, num_valid=nv,
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
     parser.add_argument("--tokens", default="1024")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--few-bucket", type=int, default=0,
+                        help="also time one valid row with this bucket's tiles on the few-slot path")
     args = parser.parse_args()
     rows = []
     print(f"{torch.cuda.get_device_name()}; us per experts_triton call (median, graph replay)", flush=True)
@@ -89,6 +93,12 @@ def main() -> None:
                 print(f"{name:9} T={num_tokens} one_launch={one_launch!s:5}: 1 valid {row['valid_1']:8.2f} "
                       f"({row['valid_1'] / one:.2f}x T=1)  8 valid {row['valid_8']:8.2f}  full "
                       f"{row[f'valid_{num_tokens}']:9.2f}", flush=True)
+            if args.few_bucket:
+                us = time_it(1, True, args.few_bucket)
+                rows.append({"shape": name, "tokens": num_tokens, "one_launch": True,
+                             "few_bucket": args.few_bucket, "valid_1": round(us, 2)})
+                print(f"{name:9} T={num_tokens} one_launch=True, few-slot tiles of T={args.few_bucket}: "
+                      f"1 valid {us:8.2f} ({us / one:.2f}x T=1)", flush=True)
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
