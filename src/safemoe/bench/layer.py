@@ -8,7 +8,9 @@ Implementations, side by side on the same inputs:
 - `hf-eager`: HF's routing (softmax + topk + renormalise) and HF's per-expert loop (eager).
 - `torch-grouped_mm`: HF's routing and transformers' grouped_mm experts path, graph-captured when
   it captures (the `note` says how it was timed).
-- `safemoe-triton`: `safemoe.moe(..., backend="triton")` under graph replay, once the kernels exist.
+- `safemoe-triton`: `safemoe.moe(..., backend="triton")` under graph replay, once the kernels exist,
+  with one `Workspace` per case as a serving engine holds one (since 2026-11-26; before, each call
+  allocated its own and zeroed its index segment: one more launch a call).
 
 Floor per row: max(decode floor, prefill floor) with
   decode floor  = D x 3*H*I*2 bytes / streaming-read bandwidth, D = E(1 - (1 - K/E)^T),
@@ -106,8 +108,14 @@ def _case_rows(
         weights, ids = torch_route(logits[j], top_k)
         return grouped_mm_experts(xs[j], w13, w2, weights, ids)
 
+    # One workspace for the case, as MoE, patch() and a CUDA-graph engine hold one (a call without
+    # it allocates and zeroes a workspace's index segment per call; results before 2026-11-26
+    # were measured that way).
+    workspace = None if triton_missing else safemoe.Workspace(num_tokens, num_experts, top_k, hidden,
+                                                              shape[3], torch.bfloat16, device)
+
     def fused(j: int) -> torch.Tensor:
-        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, backend="triton")
+        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, workspace=workspace, backend="triton")
 
     impls: list[tuple[str, Callable[[int], torch.Tensor], bool]] = [
         ("safemoe-reference", reference, False),
@@ -162,9 +170,11 @@ def _padded_row(case: str, shape: tuple[int, int, int, int], w13: torch.Tensor, 
     logits = [torch.randn(PADDED_TOKENS, num_experts, dtype=torch.bfloat16, device=device)
               for _ in range(N_VARIANTS)]  # fmt: skip
     one = torch.ones((), dtype=torch.int32, device=device)
+    workspace = safemoe.Workspace(PADDED_TOKENS, num_experts, top_k, hidden, inter, torch.bfloat16, device)
 
     def step(j: int) -> torch.Tensor:
-        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, num_valid=one, backend="triton")
+        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, num_valid=one, workspace=workspace,
+                           backend="triton")
 
     graph_kwargs = {"calls_per_graph": 10, "replays": 15} if quick else {"calls_per_graph": 20, "replays": 30}
     try:
