@@ -207,6 +207,46 @@ def _few_tile_rows(tile, num_n_blocks, slot, expert, rank):
 
 
 @triton.jit
+def _two_weight_tiles(
+    a_ptrs, row_ok, a_scale_rows, w_arg, w0_ptrs, w1_ptrs, w0_row, w1_row, w0_scales, w1_scales, reduction,
+    acc0, acc1, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """(acc0 + A @ W0, acc1 + A @ W1) over the reduction: each K step's A tile (rows of row_ok,
+    a_ptrs [BLOCK_M, BLOCK_K]) against two weight tiles, GEMM1's gate and up rows or the two
+    128-column halves of a QUANT 4 GEMM2 tile. Weights through the descriptor w_arg at rows w0_row
+    and w1_row (USE_TMA; w0_ptrs/w1_ptrs unused), else through the pointers w0_ptrs/w1_ptrs
+    [BLOCK_K, N] (w0_row/w1_row unused); w0_scales/w1_scales are _mma's weight-scale pointers."""
+    ks = tl.arange(0, BLOCK_K)
+    for k in range(0, tl.cdiv(reduction, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = ks < reduction - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_TMA:
+            b0 = w_arg.load([w0_row, k * BLOCK_K]).T
+            b1 = w_arg.load([w1_row, k * BLOCK_K]).T
+        elif EVEN_K:
+            b0 = tl.load(w0_ptrs)
+            b1 = tl.load(w1_ptrs)
+        else:
+            b0 = tl.load(w0_ptrs, mask=(ks < reduction - k * BLOCK_K)[:, None], other=0.0)
+            b1 = tl.load(w1_ptrs, mask=(ks < reduction - k * BLOCK_K)[:, None], other=0.0)
+        a = _operand(a, UPCAST)
+        a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
+        b0 = _operand(b0, UPCAST)
+        b1 = _operand(b1, UPCAST)
+        acc0 = _mma(acc0, a, b0, a_scale, w0_scales, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+        acc1 = _mma(acc1, a, b1, a_scale, w1_scales, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+        a_ptrs += BLOCK_K
+        if not USE_TMA:
+            w0_ptrs += BLOCK_K
+            w1_ptrs += BLOCK_K
+    return acc0, acc1
+
+
+@triton.jit
 def _gemm1_tile(
     x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
     hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
@@ -243,44 +283,16 @@ def _gemm1_tile(
         # Boxes past an expert's rows read the next rows (columns never stored), past the
         # tensor or past H zeros (the descriptor's bounds).
         gate_row = expert * 2 * inter + n_block * BLOCK_N
-        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                k_ok = ks < hidden - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            a = _operand(a, UPCAST)
-            g = _operand(w13_arg.load([gate_row, k * BLOCK_K]), UPCAST)
-            u = _operand(w13_arg.load([gate_row + inter, k * BLOCK_K]), UPCAST)
-            a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
-            acc_gate = _mma(acc_gate, a, g.T, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
-                            ROWWISE)
-            acc_up = _mma(acc_up, a, u.T, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
-                          ROWWISE)
-            a_ptrs += BLOCK_K
+        acc_gate, acc_up = _two_weight_tiles(
+            a_ptrs, row_ok, x_scale_rows, w13_arg, 0, 0, gate_row, gate_row + inter, gate_scale_rows,
+            up_scale_rows, hidden, acc_gate, acc_up, QUANT, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, True,
+            ROWWISE)
     else:
         gate_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
-        up_ptrs = gate_ptrs + up_offset
-        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                g = tl.load(gate_ptrs)
-                u = tl.load(up_ptrs)
-            else:
-                k_ok = ks < hidden - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                g = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-            a = _operand(a, UPCAST)
-            g = _operand(g, UPCAST)
-            u = _operand(u, UPCAST)
-            a_scale = _group_scale(x_scale_rows, row_ok, k, BLOCK_K, QUANT)
-            acc_gate = _mma(acc_gate, a, g, a_scale, gate_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION,
-                            ROWWISE)
-            acc_up = _mma(acc_up, a, u, a_scale, up_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
-            a_ptrs += BLOCK_K
-            gate_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
+        acc_gate, acc_up = _two_weight_tiles(
+            a_ptrs, row_ok, x_scale_rows, w13_arg, gate_ptrs, gate_ptrs + up_offset, 0, 0, gate_scale_rows,
+            up_scale_rows, hidden, acc_gate, acc_up, QUANT, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, False,
+            ROWWISE)
     acc_gate = _dequantize(acc_gate, x_scale_rows, row_ok, w_scales, QUANT)
     acc_up = _dequantize(acc_up, x_scale_rows, row_ok, w_scales + up_scale_offset, QUANT)
     h = _activation(acc_gate, acc_up, ACTIVATION)
@@ -551,41 +563,16 @@ def _gemm2_halves_tile(
     acc_hi = tl.zeros((BLOCK_M, SCALE_BLOCK), dtype=tl.float32)
     if USE_TMA:
         w_row = expert * hidden + n_block * BLOCK_N
-        for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < inter - k * BLOCK_K)[None, :], other=0.0)
-            a = _operand(a, UPCAST)
-            b_lo = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
-            b_hi = _operand(w2_arg.load([w_row + SCALE_BLOCK, k * BLOCK_K]), UPCAST)
-            a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, 4)
-            acc_lo = _mma(acc_lo, a, b_lo.T, a_scale, lo_scales, k, BLOCK_K, 4, DOT_PRECISION, ROWWISE)
-            acc_hi = _mma(acc_hi, a, b_hi.T, a_scale, hi_scales, k, BLOCK_K, 4, DOT_PRECISION, ROWWISE)
-            a_ptrs += BLOCK_K
+        acc_lo, acc_hi = _two_weight_tiles(
+            a_ptrs, row_ok, a_scale_rows, w2_arg, 0, 0, w_row, w_row + SCALE_BLOCK, lo_scales, hi_scales,
+            inter, acc_lo, acc_hi, 4, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, True, ROWWISE)
     else:
+        # Columns past H wrap onto valid rows of w2 (loads need no mask); they are never stored.
         w_expert = w2_arg + expert.to(tl.int64) * expert_stride + ks[:, None]
-        lo_ptrs = w_expert + (lo_cols % hidden).to(tl.int64)[None, :] * inter
-        hi_ptrs = w_expert + (hi_cols % hidden).to(tl.int64)[None, :] * inter
-        for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b_lo = tl.load(lo_ptrs)
-                b_hi = tl.load(hi_ptrs)
-            else:
-                k_ok = ks < inter - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b_lo = tl.load(lo_ptrs, mask=k_ok[:, None], other=0.0)
-                b_hi = tl.load(hi_ptrs, mask=k_ok[:, None], other=0.0)
-            a = _operand(a, UPCAST)
-            a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, 4)
-            acc_lo = _mma(acc_lo, a, _operand(b_lo, UPCAST), a_scale, lo_scales, k, BLOCK_K, 4, DOT_PRECISION,
-                          ROWWISE)
-            acc_hi = _mma(acc_hi, a, _operand(b_hi, UPCAST), a_scale, hi_scales, k, BLOCK_K, 4, DOT_PRECISION,
-                          ROWWISE)
-            a_ptrs += BLOCK_K
-            lo_ptrs += BLOCK_K
-            hi_ptrs += BLOCK_K
+        acc_lo, acc_hi = _two_weight_tiles(
+            a_ptrs, row_ok, a_scale_rows, w2_arg, w_expert + (lo_cols % hidden).to(tl.int64)[None, :] * inter,
+            w_expert + (hi_cols % hidden).to(tl.int64)[None, :] * inter, 0, 0, lo_scales, hi_scales,
+            inter, acc_lo, acc_hi, 4, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, False, ROWWISE)
     safe_slots = tl.where(row_ok, slots, 0)
     weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
     out_rows = y_ptr + safe_slots.to(tl.int64)[:, None] * hidden
