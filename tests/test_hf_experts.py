@@ -56,13 +56,20 @@ def test_family_matches_stock_experts(family):
     assert torch.isfinite(want).all()
     scale = max(1.0, want.abs().max().item())
     torch.testing.assert_close(got, want, rtol=coverage.RTOL, atol=coverage.ATOL * scale)
-    assert torch.equal(coverage.generate(model), coverage.generate(stock))
 
     # Every experts module was planned by safemoe: it runs it, or fell back with a reason.
     missing = [n for n, m in modules if getattr(m, "_safemoe_plan", None) is None]
     assert not missing, f"never reached safemoe's forward: {missing}"
     for name, reason in hf_experts.fallbacks(model).items():
         assert reason and isinstance(reason, str), name
+
+    try:
+        want_tokens = coverage.generate(stock)
+    except Exception as exc:  # the stock tiny model itself: inkling2 under transformers 5.24 (an id
+        # past its embedding); the logits and the plans above were compared all the same
+        pytest.skip(f"{family}: logits match; the stock tiny model cannot generate: "
+                    f"{type(exc).__name__}: {exc}")
+    assert torch.equal(coverage.generate(model), want_tokens)
 
 
 def test_switching_an_existing_model():
