@@ -6,10 +6,10 @@
 
 For each shape and T: `experts_triton` with the default configs in bf16, fp8 per-tensor and fp8
 block mode (workspace, device num_valid, CUDA-graph replay over 4 rotating routings;
-`safemoe.bench.harness.time_graph`), then candidate prefill tiles of each fp8 mode. Block mode
-runs each candidate twice where it can: with the one-scale-per-tile promotion (QUANT 3, the
-default since it exists) and forced to the per-column promotion it replaced (QUANT 2); the two
-must agree bitwise (the same products in the same order), which the script checks. For every
+`safemoe.bench.harness.time_graph`), then candidate prefill tiles of each fp8 mode. Block mode's
+default tiles also run forced to the per-column promotion (QUANT 2) that the one-scale-per-tile
+promotion (QUANT 3/4) replaced; the two must agree bitwise (the same products in the same order),
+which the script checks. --wide: a second block-mode candidate list; --decode: decode tiles. For every
 compiled GEMM it also prints registers, spills, shared memory and, from the TTGIR, how many
 warp-group MMAs were made asynchronous: the question is whether the block-mode promotion
 serialises the MMAs. A measurement script, not a test; it prints a table and writes JSON.

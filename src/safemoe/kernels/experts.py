@@ -419,7 +419,8 @@ def _gemm1_kernel(
     ACTIVATION: tl.constexpr,
     NUM_BINS: tl.constexpr,
     QUANT: tl.constexpr,  # 0: none; 1: fp8 per-tensor weights, per-token x; 2: fp8 128x128 blocks;
-    #                       3: 2 with every tile's columns in one weight block (Fp8Operands.code)
+    #                       3: 2 with every tile's columns in one weight block (Fp8Operands.code;
+    #                       GEMM2 also 4: 256-column tiles as two such halves)
     UPCAST: tl.constexpr,  # interpreter with bf16 operands: multiply in fp32
     # tunable: main tiles (layout 0)
     BLOCK_M: tl.constexpr,
