@@ -1,10 +1,14 @@
 """Debug (issue 13): where a padded batch's time goes. Per-kernel device time of safemoe.moe at
 T=1 and at T=1024 with one valid row (Qwen3 and Mixtral shapes), and graph-replay totals.
 
-    PYTHONPATH=src python3 scripts/debug/profile_padding.py
+    PYTHONPATH=src python3 scripts/debug/profile_padding.py [shape:T[:num_valid] ...]
+
+With arguments, only those cases (e.g. `mixtral:256 qwen3:1024:1 gptoss:1`); without, the padding
+cases below.
 """
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
 import torch
@@ -13,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 import safemoe
 from safemoe.bench.harness import time_graph
 
-SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "router256": (256, 8, 7168, 2048)}
+SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "gptoss": (128, 4, 2880, 2880),
+          "deepseek": (256, 8, 7168, 2048), "router256": (256, 8, 7168, 2048)}
 dev = "cuda"
 
 
@@ -55,9 +60,14 @@ def case(name, t, nv, only_route=False):
     del out
 
 
-for name in ("qwen3", "mixtral"):
-    case(name, 1, None)
-    case(name, 1024, 1)
-    case(name, 1024, None)
-for t in (1024, 4096):
-    case("router256", t, None, only_route=True)
+if len(sys.argv) > 1:
+    for spec in sys.argv[1:]:
+        name, tokens, *valid = spec.split(":")
+        case(name, int(tokens), int(valid[0]) if valid else None)
+else:
+    for name in ("qwen3", "mixtral"):
+        case(name, 1, None)
+        case(name, 1024, 1)
+        case(name, 1024, None)
+    for t in (1024, 4096):
+        case("router256", t, None, only_route=True)
