@@ -77,6 +77,15 @@ TOLERANCES = {
     "cuda": {torch.float16: (3e-2, 1e-1), torch.bfloat16: (3e-2, 1e-1)},
 }
 FP8_ERROR_TOL = 0.12  # vs the unquantised reference
+# Compiled, a few rows: the kernel and the reference round the intermediate to e4m3 from fp32 sums
+# taken in different orders, and one element landing on the other side of a rounding boundary moves
+# by a 3-bit mantissa step; with a few hundred outputs one such element is percents of the norm.
+# Spread over 32 seeded draws of x (scripts/debug/fp8_match_spread.py, H100, 2026-11-26; E = 16,
+# K = 4, H = 320, I = 200), relative error median / max: T = 1 block 2.8e-3 / 4.5e-2, per-tensor
+# 2.7e-3 / 3.7e-2; T = 7 5.9e-3 / 1.7e-2; T = 129 1.0e-2 / 1.3e-2 (under the 3e-2 of TOLERANCES).
+# The T = 1 block case once measured 3.07e-2 against 3e-2 on an H200, with x from the global RNG.
+FEW_ROWS_MAX_TOKENS = 8
+FEW_ROWS_REL_TOL = 6e-2
 # Not compiled yet: interpreter-specific numerics (its fp8 casts, its bf16 stores) or CPU tensors.
 INTERPRETER_ONLY = "tolerances and bits measured on the interpreter"
 
@@ -111,10 +120,12 @@ def _gpu_routing(num_tokens: int, top_k: int, num_experts: int, seed: int = 1):
 
 def _case(num_tokens, num_experts, top_k, hidden, inter, mode, dtype=torch.float16, seed=0, device="cpu"):
     """x, (w13, w2), (q13, q2, s13, s2), weights, ids. cpu: fp32 weights, everything from one CPU
-    generator; cuda: bf16 weights drawn on the GPU (seed 0), x from the global RNG, routing seed 1."""
+    generator; cuda: bf16 weights drawn on the GPU (seed 0), x from a GPU generator seeded with
+    `seed` (not the global RNG, whose draw would depend on the tests run before), routing seed 1."""
     if device == "cuda":
         w13, w2, fp8w = _gpu_fp8_weights(num_experts, hidden, inter, mode)
-        x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
+        x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype,
+                        generator=torch.Generator(device="cuda").manual_seed(seed))
         weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
         return x, (w13, w2), fp8w, weights, ids
     gen = torch.Generator().manual_seed(seed)
@@ -148,14 +159,17 @@ def _reference(x, fp8w, weights, ids, *, num_valid=None, activation="silu"):
     return experts_fp8_reference(x, q13, q2, s13, s2, weights, ids, activation=activation, num_valid=nv)
 
 
-def _assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> float:
-    """Finite; relative Frobenius error and worst element within the device's and dtype's bounds."""
+def _assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, what: str = "", few_rows: bool = False) -> float:
+    """Finite; relative Frobenius error and worst element within the device's and dtype's bounds
+    (few_rows: compiled, T <= FEW_ROWS_MAX_TOKENS, the wider FEW_ROWS_REL_TOL)."""
     assert bool(torch.isfinite(out).all()), f"{what}: non-finite output"
     diff = (out.double() - ref.double())
     scale = ref.double().abs().max().clamp_min(1e-30)
     rel = float(diff.norm() / ref.double().norm().clamp_min(1e-30))
     worst = float(diff.abs().max() / scale)
     rel_tol, max_tol = TOLERANCES[out.device.type][ref.dtype]
+    if few_rows and out.device.type == "cuda":
+        rel_tol = FEW_ROWS_REL_TOL
     assert rel <= rel_tol and worst <= max_tol, f"{what}: relative error {rel:.2e}, worst element {worst:.2e}"
     return rel
 
@@ -312,7 +326,8 @@ def test_matches_reference(device: str, num_tokens: int, mode: str, dtype: torch
                                         device=device)
     out = _run(x, fp8w, weights, ids, activation=activation, out=poisoned(x.shape, dtype, device))
     ref = _reference(x, fp8w, weights, ids, activation=activation)
-    _assert_fp8_close(out, ref, f"{mode} {dtype} {activation} T={num_tokens}")
+    _assert_fp8_close(out, ref, f"{mode} {dtype} {activation} T={num_tokens}",
+                      few_rows=num_tokens <= FEW_ROWS_MAX_TOKENS)
     _assert_fp8_error(out, x, full[0], full[1], weights, ids, activation=activation, what=f"{mode} {dtype}")
 
 
