@@ -207,103 +207,6 @@ def _few_tile_rows(tile, num_n_blocks, slot, expert, rank):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte lines holding `ptrs` (masked lanes issue nothing). A hint: no
-    register is written, no fault is raised, and nothing waits for the data."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_w2_tile(w2_ptr, expert, n_block, hidden, inter, BLOCK_N: tl.constexpr,
-                      LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
-    """L2 prefetch of what GEMM2's tile (expert, n_block) reads of w2 [E, H, I]: its BLOCK_N rows
-    of w2[expert], one contiguous run (rows clamped to H, expert to [0, E) by the caller)."""
-    first = (expert.to(tl.int64) * hidden + n_block * BLOCK_N) * inter
-    count = tl.minimum(BLOCK_N, hidden - n_block * BLOCK_N).to(tl.int64) * inter
-    line = tl.arange(0, LINES).to(tl.int64) * LINE_ELEMS
-    for start in range(0, count, LINES * LINE_ELEMS):
-        _prefetch_l2(w2_ptr + first + start + line, start + line < count)
-
-
-@triton.jit
-def _prefetch_few_w2_tile(w2_ptr, ids_ptr, valid_slots, hidden, inter, num_experts, FEW: tl.constexpr,
-                          BLOCK_N: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
-    """The few-slot path's tile `program_id` (as _few_slots and _few_tile_rows number them)."""
-    tile = tl.program_id(0)
-    slot = tl.arange(0, FEW)
-    expert = tl.load(ids_ptr + slot, mask=slot < valid_slots, other=-1, cache_modifier=".cg")
-    served = (slot < valid_slots) & (expert >= 0) & (expert < num_experts)
-    expert = tl.where(served, expert, -1)
-    earlier_same = (expert[:, None] == expert[None, :]) & (slot[None, :] < slot[:, None])
-    leader = served & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
-    rank = tl.where(leader, tl.cumsum(leader.to(tl.int32), 0) - 1, -1)
-    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
-    if tile < tl.sum(leader.to(tl.int32), 0) * num_n_blocks:
-        tile_expert = tl.sum(tl.where(rank == tile // num_n_blocks, expert, 0), 0)
-        _prefetch_w2_tile(w2_ptr, tile_expert, tile % num_n_blocks, hidden, inter, BLOCK_N, LINE_ELEMS, LINES)
-
-
-@triton.jit
-def _prefetch_layout_w2_tile(
-    w2_ptr, num_blocks_ptr, block_end_ptr, hidden, inter, num_experts, NUM_BINS: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_SMALL: tl.constexpr, SMALL_BLOCK_N: tl.constexpr,
-    SMALL_GROUP_M: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr,
-):
-    """The dispatch layout's tile `program_id` (as _gemm2_layout_tiles and _tile_rows number them)."""
-    num_m_blocks = tl.load(num_blocks_ptr, cache_modifier=".cg")
-    bins = tl.arange(0, NUM_BINS)
-    block_end = tl.load(block_end_ptr + bins, mask=bins < num_experts, other=2147483647, cache_modifier=".cg")
-    if HAS_SMALL:
-        num_small_blocks = tl.load(num_blocks_ptr + 1, cache_modifier=".cg")
-        if num_small_blocks > 0:
-            _prefetch_block_w2_tile(w2_ptr, num_small_blocks, block_end, hidden, inter, num_experts,
-                                    SMALL_BLOCK_N, SMALL_GROUP_M, LINE_ELEMS, LINES)
-        else:
-            _prefetch_block_w2_tile(w2_ptr, num_m_blocks, block_end, hidden, inter, num_experts, BLOCK_N, GROUP_M,
-                                    LINE_ELEMS, LINES)
-    else:
-        _prefetch_block_w2_tile(w2_ptr, num_m_blocks, block_end, hidden, inter, num_experts, BLOCK_N, GROUP_M,
-                                LINE_ELEMS, LINES)
-
-
-@triton.jit
-def _prefetch_block_w2_tile(w2_ptr, num_m_blocks, block_end, hidden, inter, num_experts, BLOCK_N: tl.constexpr,
-                            GROUP_M: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
-    tile = tl.program_id(0)
-    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
-    if tile < num_m_blocks * num_n_blocks:
-        m_block, n_block = _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
-        expert = tl.minimum(tl.sum((block_end <= m_block).to(tl.int32), 0), num_experts - 1)
-        _prefetch_w2_tile(w2_ptr, expert, n_block, hidden, inter, BLOCK_N, LINE_ELEMS, LINES)
-
-
-@triton.jit
-def _prefetch_first_w2_tile(
-    w2_ptr, ids_ptr, valid_slots, num_blocks_ptr, block_end_ptr, hidden, inter, num_experts,
-    NUM_BINS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_SMALL: tl.constexpr,
-    SMALL_BLOCK_N: tl.constexpr, SMALL_GROUP_M: tl.constexpr, FEW: tl.constexpr, ONLY_FEW: tl.constexpr,
-    FEW_BLOCK_N: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr,
-):
-    """Before GEMM2 waits for GEMM1: prefetch into L2 the w2 rows of this program's first tile.
-    What decides the tile (ids, num_valid, the dispatch layout) was written before GEMM1 started,
-    so it is complete here; it is read around L1 (.cg) and only ever forms prefetch addresses,
-    experts clamped to [0, E): a stale or garbage value costs a useless prefetch, never a fault."""
-    if FEW > 0:
-        if valid_slots <= FEW:
-            _prefetch_few_w2_tile(w2_ptr, ids_ptr, valid_slots, hidden, inter, num_experts, FEW, FEW_BLOCK_N,
-                                  LINE_ELEMS, LINES)
-        elif not ONLY_FEW:
-            _prefetch_layout_w2_tile(w2_ptr, num_blocks_ptr, block_end_ptr, hidden, inter, num_experts, NUM_BINS,
-                                     BLOCK_N, GROUP_M, HAS_SMALL, SMALL_BLOCK_N, SMALL_GROUP_M, LINE_ELEMS,
-                                     LINES)
-    else:
-        _prefetch_layout_w2_tile(w2_ptr, num_blocks_ptr, block_end_ptr, hidden, inter, num_experts, NUM_BINS,
-                                 BLOCK_N, GROUP_M, HAS_SMALL, SMALL_BLOCK_N, SMALL_GROUP_M, LINE_ELEMS, LINES)
-
-
-@triton.jit
 def _two_weight_tiles(
     a_ptrs, row_ok, a_scale_rows, w_arg, w0_ptrs, w1_ptrs, w0_row, w1_row, w0_scales, w1_scales, reduction,
     acc0, acc1, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -773,7 +676,6 @@ def _gemm2_kernel(
     num_valid_ptr,  # FEW > 0 and HAS_NUM_VALID_PTR: 0-dim int32/int64
     inter_scale_ptr,  # QUANT: [capacity, inter_scale_stride] float32 scales of the intermediate rows
     w2_scale_ptr,  # QUANT 1: [E] float32; QUANT 2: [E, ceil(H/128), ceil(I/128)]
-    w2_ptr,  # PREFETCH: w2 [E, H, I] as a pointer (whatever w2_arg is)
     # outputs
     y_ptr,  # [T*K, H]
     # shapes
@@ -816,17 +718,7 @@ def _gemm2_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
-    # With PDL, prefetch the first tile's w2 rows into L2 before waiting for GEMM1 (0: off; else
-    # the elements of one 128-byte line, with PREFETCH_LINES lines per step)
-    PREFETCH_LINE_ELEMS: tl.constexpr = 0,
-    PREFETCH_LINES: tl.constexpr = 512,
 ):
-    if PREFETCH_LINE_ELEMS > 0:
-        _prefetch_first_w2_tile(
-            w2_ptr, ids_ptr,
-            load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K,
-            num_blocks_ptr, block_end_ptr, hidden, inter, num_experts, NUM_BINS, BLOCK_N, GROUP_M, HAS_SMALL,
-            SMALL_BLOCK_N, SMALL_GROUP_M, FEW, ONLY_FEW, FEW_BLOCK_N, PREFETCH_LINE_ELEMS, PREFETCH_LINES)
     wait_for_previous_kernel(USE_PDL)
     if FEW > 0:
         valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
@@ -1101,27 +993,15 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
     weight_operand = _weight_operand(w2, replace(tiles, block_n=FP8_BLOCK) if quant == 4 else tiles)
     _gemm2_kernel[(grid,)](
         a, weight_operand, small_arg, few_arg, weights, views.sorted_slots, views.block_end,
-        views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"], a_scale, w_scale, w2,
+        views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"], a_scale, w_scale,
         views.y,
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
         TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=quant, UPCAST=_upcast(a.dtype),
         **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"],
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
-        PREFETCH_LINE_ELEMS=128 // w2.element_size() if _prefetch_w2(w2, use_pdl) else 0,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
-
-
-# GEMM2's L2 prefetch of its first tile's weights while GEMM1 still runs (PDL): module switch for
-# A/B runs (scripts/debug/w2_prefetch.py).
-W2_PREFETCH = True
-
-
-def _prefetch_w2(w2: torch.Tensor, use_pdl: bool) -> bool:
-    """Only compiled on CUDA (inline PTX; the interpreter has no L2) and with PDL (without it GEMM2
-    starts after GEMM1 has finished, and the prefetch would only delay its own loads)."""
-    return W2_PREFETCH and use_pdl and w2.device.type == "cuda" and not interpreter_enabled()
 
 
 def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
