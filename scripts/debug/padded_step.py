@@ -4,11 +4,15 @@ or in a launch of their own, on a GPU (issue 13's padding target: T = 1024 with 
 
     PYTHONPATH=src python scripts/debug/padded_step.py [--shapes qwen3,mixtral,gptoss,deepseek]
                                                        [--tokens 1024] [--out FILE.json]
+                                                       [--pps 1,2,4,8]
 
 For each shape: `experts_triton` at T = 1 (its own config), then at each bucket T with the device
 table's tiles, one_launch off and on, at num_valid = 1 (the few-slot path: a separate small-tile
 launch still runs, empty), 8 (the small-batch tiles) and T (a full batch). Workspace, device
-num_valid, CUDA-graph replay over 8 rotating routings. A measurement script, not a test.
+num_valid, CUDA-graph replay over 8 rotating routings. With --pps, instead: the table's config
+(one_launch as tuned) at each of these programs per SM (the grid of a merged launch is the largest
+regime's, so a one-row step launches the main tiles' whole persistent grid, mostly idle programs).
+A measurement script, not a test.
 """
 
 from __future__ import annotations
@@ -46,12 +50,15 @@ def _timer(shape, num_tokens: int):
     outs = [torch.empty_like(x) for x in xs]
     ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, dev)
 
-    def time_it(num_valid: int, one_launch: bool | None, few_bucket: int | None = None) -> float:
+    def time_it(num_valid: int, one_launch: bool | None, few_bucket: int | None = None,
+                pps: int | None = None) -> float:
         nv = NumValid(None, torch.tensor(num_valid, device=dev, dtype=torch.int32))
         kwargs = {}
         if one_launch is not None:
             cfg = replace(get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, dev),
                           one_launch=one_launch)
+            if pps is not None:
+                cfg = replace(cfg, programs_per_sm=pps)
             few = ex.few_slots_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, dev, cfg)
             if few_bucket is not None:  # another bucket's tiles for the few-slot path
                 few = get_config(few_bucket, num_experts, hidden, inter, top_k, torch.bfloat16, dev)
@@ -74,6 +81,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
     parser.add_argument("--tokens", default="1024")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--pps", default="", help="comma-separated programs per SM to time the table's config at")
     parser.add_argument("--few-bucket", type=int, default=0,
                         help="also time one valid row with this bucket's tiles on the few-slot path")
     args = parser.parse_args()
@@ -85,6 +93,19 @@ def main() -> None:
         print(f"{name:9} T=1: {one:8.2f} us", flush=True)
         for num_tokens in (int(t) for t in args.tokens.split(",")):
             time_it = _timer(shape, num_tokens)
+            if args.pps:
+                num_experts, top_k, hidden, inter, _ = shape
+                tuned = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, torch.device("cuda"))
+                for pps in (int(p) for p in args.pps.split(",")):
+                    row = {"shape": name, "tokens": num_tokens, "pps": pps, "tuned_pps": tuned.programs_per_sm,
+                           "one_launch": tuned.one_launch, "t1_us": round(one, 2)}
+                    for num_valid in (1, 8, num_tokens):
+                        row[f"valid_{num_valid}"] = round(time_it(num_valid, tuned.one_launch, pps=pps), 2)
+                    rows.append(row)
+                    print(f"{name:9} T={num_tokens} pps={pps} (tuned {tuned.programs_per_sm}): 1 valid "
+                          f"{row['valid_1']:8.2f} ({row['valid_1'] / one:.2f}x T=1)  8 valid {row['valid_8']:8.2f}  "
+                          f"full {row[f'valid_{num_tokens}']:9.2f}", flush=True)
+                continue
             for one_launch in (False, True):
                 row = {"shape": name, "tokens": num_tokens, "one_launch": one_launch, "t1_us": round(one, 2)}
                 for num_valid in (1, 8, num_tokens):
