@@ -33,6 +33,14 @@ def test_candidate_plans_cover_every_shape_and_bucket():
             assert {c.gemm1.tma for c in plan} == {False, True}, f"{name} T={num_tokens}: TMA not searched"
 
 
+def test_block_m_128_is_searched_from_48_rows_per_expert():
+    """Mixtral T = 256 (64 rows per expert): 64-row blocks split about half the experts in two, each
+    block reading the expert's weights; 128-row blocks are a candidate there, not at 32 rows."""
+    tune = _load()
+    assert {c.block_m for c in tune.candidate_plan(256, 8, 2)} == {32, 64, 128}
+    assert {c.block_m for c in tune.candidate_plan(128, 8, 2)} == {32, 64}
+
+
 def test_wide_adds_candidates(monkeypatch):
     """--wide (through the environment, so precompile workers agree): a strict superset of each
     bucket's plan. Tiles past an SM's shared memory at some BLOCK_M fail to compile and the tuner
