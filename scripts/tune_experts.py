@@ -18,6 +18,10 @@ How it searches (per model shape and token bucket T):
    weights come from HBM, num_valid as a device tensor (as in a captured model).
    GEMM1 candidates are timed with the base GEMM2, then GEMM2 candidates with the best GEMM1, per
    BLOCK_M; the fastest overall wins. Programmatic dependent launch is tried on the winner.
+   From T = 1024 the persistent grid's programs per SM (1, 2, 4, 8) too; where the bucket replays
+   padded decode steps (few-slot path compiled in), the counts within ONE_LAUNCH_TOLERANCE of the
+   fastest full batch are timed with one valid row and the fastest of those wins
+   (`choose_programs_per_sm`).
 4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
@@ -249,6 +253,20 @@ def choose_one_launch(
     medians added) get faster and the full batch (num_valid = T) gets no slower than `tolerance`
     (a fraction)."""
     return padded_one < padded_two and full_one <= full_two * (1.0 + tolerance)
+
+
+def choose_programs_per_sm(full: dict[int, float], padded: dict[int, float],
+                           tolerance: float = ONE_LAUNCH_TOLERANCE) -> int:
+    """Programs per SM for a bucket whose graph also replays padded decode steps: among the counts
+    whose full batch (us) is within `tolerance` of the fastest, the one whose one-valid-row step
+    (`padded`, us; timed for those counts) is fastest; the fastest full batch when none was timed.
+    H100 2026-11-24/26, Qwen3 T = 1024: the full batch took 553-555 us at 1-8 programs per SM, the
+    one-row step 38.5 us at 1 and 40.4 at 8 (each idle program is launched and waits)."""
+    fastest = min(full.values())
+    close = [p for p, us in full.items() if us <= fastest * (1.0 + tolerance) and p in padded]
+    if not close:
+        return min(full, key=full.__getitem__)
+    return min(close, key=lambda p: (padded[p], full[p]))
 
 
 def one_launch_plan(
@@ -580,9 +598,27 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         return None
     results.sort(key=lambda r: r[0])
     if case.num_tokens >= 1024:
+        best_us, best_cfg = results[0]
+        full = {best_cfg.programs_per_sm: best_us}
         for programs in (1, 2, 8):
-            trial(replace(results[0][1], programs_per_sm=programs), "programs")
+            us = trial(replace(best_cfg, programs_per_sm=programs), "programs")
+            if us is not None:
+                full[programs] = us
         results.sort(key=lambda r: r[0])
+        if few:
+            # A graph of this bucket also replays padded decode steps (one valid row: the few-slot
+            # path, in a grid sized by these programs, mostly idle).
+            close = [p for p, us in full.items() if us <= min(full.values()) * (1.0 + ONE_LAUNCH_TOLERANCE)]
+            padded = {}
+            for programs in close if len(close) > 1 else []:
+                us = _timed(case, replace(best_cfg, programs_per_sm=programs), log, "programs_padded", None,
+                            num_valid=ONE_LAUNCH_ONE_ROW)
+                if us is not None:
+                    padded[programs] = us
+            if padded:
+                pick = choose_programs_per_sm(full, padded)
+                chosen = replace(best_cfg, programs_per_sm=pick)
+                results.insert(0, (full[pick], chosen))
     for us, cfg in results[:3]:
         error = case.check(cfg)
         log.append({"shape": case.name, "T": case.num_tokens, "check": cfg.to_json(), "rel_error": error})

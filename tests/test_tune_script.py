@@ -41,6 +41,17 @@ def test_block_m_128_is_searched_from_48_rows_per_expert():
     assert {c.block_m for c in tune.candidate_plan(128, 8, 2)} == {32, 64}
 
 
+def test_programs_per_sm_weighs_the_padded_step_inside_the_full_batch_noise():
+    tune = _load()
+    full = {1: 553.3, 2: 553.3, 4: 553.2, 8: 555.4}
+    padded = {1: 38.5, 2: 39.5, 4: 39.4, 8: 40.4}
+    assert tune.choose_programs_per_sm(full, padded) == 1
+    # a count past the tolerance on the full batch loses however fast its padded step
+    assert tune.choose_programs_per_sm({1: 600.0, 4: 553.0}, {1: 30.0, 4: 39.0}) == 4
+    # nothing timed padded: the fastest full batch
+    assert tune.choose_programs_per_sm({1: 560.0, 8: 553.0}, {}) == 8
+
+
 def test_wide_adds_candidates(monkeypatch):
     """--wide (through the environment, so precompile workers agree): a strict superset of each
     bucket's plan. Tiles past an SM's shared memory at some BLOCK_M fail to compile and the tuner
