@@ -18,10 +18,10 @@ How it searches (per model shape and token bucket T):
    weights come from HBM, num_valid as a device tensor (as in a captured model).
    GEMM1 candidates are timed with the base GEMM2, then GEMM2 candidates with the best GEMM1, per
    BLOCK_M; the fastest overall wins. Programmatic dependent launch is tried on the winner.
-   From T = 1024 the persistent grid's programs per SM (1, 2, 4, 8) too; where the bucket replays
-   padded decode steps (few-slot path compiled in), the counts within ONE_LAUNCH_TOLERANCE of the
-   fastest full batch are timed with one valid row and the fastest of those wins
-   (`choose_programs_per_sm`).
+   From T = 1024 the persistent grid's programs per SM (1, 2, 4, 8) too. Where the bucket replays
+   padded decode steps through its own launches (few-slot path compiled in, T*K > FEW_SLOTS), the
+   distinct candidates within ONE_LAUNCH_TOLERANCE of the fastest full batch are also timed with
+   one valid row, and the fastest of those wins (`prefer_fast_padded_step`).
 4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from safemoe.configs import ExpertsConfig, GemmTiles, device_file, shape_key, token_bucket  # noqa: E402
-from safemoe.kernels.experts import SMALL_BATCH_TOKENS  # noqa: E402
+from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS  # noqa: E402
 
 # (E, K, H, I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -115,6 +115,9 @@ ONE_LAUNCH_TOLERANCE = 0.01
 # Interleaved rounds of the four one_launch timings; each side's median is compared, so one slow
 # replay set cannot decide it.
 ONE_LAUNCH_ROUNDS = 3
+# Candidates within ONE_LAUNCH_TOLERANCE of a bucket's fastest full batch that are also timed on a
+# one-valid-row padded step (prefer_fast_padded_step).
+PADDED_PICK_CANDIDATES = 4
 
 Tiles = tuple[int, int, int, int]  # (block_n, block_k, num_warps, num_stages)
 
@@ -255,18 +258,47 @@ def choose_one_launch(
     return padded_one < padded_two and full_one <= full_two * (1.0 + tolerance)
 
 
-def choose_programs_per_sm(full: dict[int, float], padded: dict[int, float],
+def choose_for_padded_step(full: dict[int, float], padded: dict[int, float],
                            tolerance: float = ONE_LAUNCH_TOLERANCE) -> int:
-    """Programs per SM for a bucket whose graph also replays padded decode steps: among the counts
-    whose full batch (us) is within `tolerance` of the fastest, the one whose one-valid-row step
-    (`padded`, us; timed for those counts) is fastest; the fastest full batch when none was timed.
-    H100 2026-11-24/26, Qwen3 T = 1024: the full batch took 553-555 us at 1-8 programs per SM, the
-    one-row step 38.5 us at 1 and 40.4 at 8 (each idle program is launched and waits)."""
+    """Key of the config to keep among candidates whose full batch took `full` us: of those within
+    `tolerance` of the fastest, the one whose one-valid-row step (`padded`, us) is fastest; the
+    fastest full batch when none of them was timed padded."""
     fastest = min(full.values())
-    close = [p for p, us in full.items() if us <= fastest * (1.0 + tolerance) and p in padded]
+    close = [key for key, us in full.items() if us <= fastest * (1.0 + tolerance) and key in padded]
     if not close:
         return min(full, key=full.__getitem__)
-    return min(close, key=lambda p: (padded[p], full[p]))
+    return min(close, key=lambda key: (padded[key], full[key]))
+
+
+def prefer_fast_padded_step(case: Case, results: list[tuple[float, ExpertsConfig]], log: list[dict[str, Any]],
+                            limit: int = PADDED_PICK_CANDIDATES) -> list[tuple[float, ExpertsConfig]]:
+    """`results` (sorted by full-batch us) with the candidate to keep first: a bucket whose graph
+    also replays padded decode steps (the few-slot path merged into its GEMM launches) runs the
+    main config's warps, stages and persistent grid on a one-row step, so among the distinct
+    configs within ONE_LAUNCH_TOLERANCE of the fastest full batch (at most `limit`) the one with the
+    fastest one-valid-row step wins (`choose_for_padded_step`). H100 2026-11-26, Qwen3 T = 1024:
+    the full batch within 1% at 1-8 programs per SM, the one-row step 38.5 us at 1 and 40.4 at 8;
+    a tune that kept the fastest full batch alone picked 8-warp 128-row tiles whose one-row step
+    made the layer's padded step 1.42x T = 1 (48.4 / 34.0 us)."""
+    fastest = results[0][0]
+    close: list[tuple[float, ExpertsConfig]] = []
+    seen: set[str] = set()
+    for result in results:
+        us, cfg = result
+        key = json.dumps(cfg.to_json(), sort_keys=True)
+        if us <= fastest * (1.0 + ONE_LAUNCH_TOLERANCE) and key not in seen:
+            seen.add(key)
+            close.append(result)
+    close = close[:limit]
+    if len(close) < 2:
+        return results
+    padded = {}
+    for index, (_, cfg) in enumerate(close):
+        us = _timed(case, cfg, log, "padded_one_row", None, num_valid=ONE_LAUNCH_ONE_ROW)
+        if us is not None:
+            padded[index] = us
+    pick = close[choose_for_padded_step({index: us for index, (us, _) in enumerate(close)}, padded)]
+    return [pick] + [r for r in results if r is not pick]
 
 
 def one_launch_plan(
@@ -598,27 +630,11 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         return None
     results.sort(key=lambda r: r[0])
     if case.num_tokens >= 1024:
-        best_us, best_cfg = results[0]
-        full = {best_cfg.programs_per_sm: best_us}
         for programs in (1, 2, 8):
-            us = trial(replace(best_cfg, programs_per_sm=programs), "programs")
-            if us is not None:
-                full[programs] = us
+            trial(replace(results[0][1], programs_per_sm=programs), "programs")
         results.sort(key=lambda r: r[0])
-        if few:
-            # A graph of this bucket also replays padded decode steps (one valid row: the few-slot
-            # path, in a grid sized by these programs, mostly idle).
-            close = [p for p, us in full.items() if us <= min(full.values()) * (1.0 + ONE_LAUNCH_TOLERANCE)]
-            padded = {}
-            for programs in close if len(close) > 1 else []:
-                us = _timed(case, replace(best_cfg, programs_per_sm=programs), log, "programs_padded", None,
-                            num_valid=ONE_LAUNCH_ONE_ROW)
-                if us is not None:
-                    padded[programs] = us
-            if padded:
-                pick = choose_programs_per_sm(full, padded)
-                chosen = replace(best_cfg, programs_per_sm=pick)
-                results.insert(0, (full[pick], chosen))
+    if few and case.num_tokens * top_k > FEW_SLOTS:
+        results = prefer_fast_padded_step(case, results, log)
     for us, cfg in results[:3]:
         error = case.check(cfg)
         log.append({"shape": case.name, "T": case.num_tokens, "check": cfg.to_json(), "rel_error": error})

@@ -41,15 +41,34 @@ def test_block_m_128_is_searched_from_48_rows_per_expert():
     assert {c.block_m for c in tune.candidate_plan(128, 8, 2)} == {32, 64}
 
 
-def test_programs_per_sm_weighs_the_padded_step_inside_the_full_batch_noise():
+def test_padded_step_decides_inside_the_full_batch_noise():
     tune = _load()
     full = {1: 553.3, 2: 553.3, 4: 553.2, 8: 555.4}
     padded = {1: 38.5, 2: 39.5, 4: 39.4, 8: 40.4}
-    assert tune.choose_programs_per_sm(full, padded) == 1
-    # a count past the tolerance on the full batch loses however fast its padded step
-    assert tune.choose_programs_per_sm({1: 600.0, 4: 553.0}, {1: 30.0, 4: 39.0}) == 4
+    assert tune.choose_for_padded_step(full, padded) == 1
+    # past the tolerance on the full batch a candidate loses however fast its padded step
+    assert tune.choose_for_padded_step({1: 600.0, 4: 553.0}, {1: 30.0, 4: 39.0}) == 4
     # nothing timed padded: the fastest full batch
-    assert tune.choose_programs_per_sm({1: 560.0, 8: 553.0}, {}) == 8
+    assert tune.choose_for_padded_step({1: 560.0, 8: 553.0}, {}) == 8
+
+
+def test_prefer_fast_padded_step_times_the_close_candidates_once(monkeypatch):
+    tune = _load()
+    cfgs = [ExpertsConfig(64, GemmTiles(block_n=n, block_k=64), GemmTiles(block_n=64, block_k=64))
+            for n in (32, 64, 128, 256)]
+    results = [(100.0, cfgs[0]), (100.5, cfgs[1]), (100.5, cfgs[1]), (100.9, cfgs[2]), (103.0, cfgs[3])]
+    padded_us = {32: 45.0, 64: 40.0, 128: 41.0, 256: 10.0}
+    timed = []
+
+    def fake_timed(case, cfg, log, sweep, est, small=None, num_valid=None):
+        assert sweep == "padded_one_row" and num_valid == 1
+        timed.append(cfg.gemm1.block_n)
+        return padded_us[cfg.gemm1.block_n]
+
+    monkeypatch.setattr(tune, "_timed", fake_timed)
+    ordered = tune.prefer_fast_padded_step(None, results, [])
+    assert sorted(timed) == [32, 64, 128]  # the duplicate once, the 3%-slower one not at all
+    assert ordered[0] == (100.5, cfgs[1]) and len(ordered) == len(results)
 
 
 def test_wide_adds_candidates(monkeypatch):
