@@ -47,6 +47,9 @@ def test_floor_formulas():
     assert harness.distinct_experts(128, 8, 1) == pytest.approx(8.0)
     assert harness.distinct_experts(128, 8, 100_000) == pytest.approx(128.0)
     assert harness.distinct_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75**2))
+    # the experts samples actually hit (issue 13's "% read"), padded slots (-1) not counted
+    samples = [torch.tensor([[0, 1], [1, 2]]), torch.tensor([[3, 3], [-1, -1]])]
+    assert harness.sampled_distinct_experts(samples) == pytest.approx((3 + 1) / 2)
     at_4300 = harness.DeviceCeilings("x", 4300.0, 4300.0, 790.0, None)
     assert harness.moe_decode_floor_us(128, 8, 2048, 768, 1, at_4300) == pytest.approx(17.56, abs=0.01)
     flops = 2 * 16384 * 8 * 3 * 2048 * 768
@@ -58,6 +61,9 @@ def test_floor_formulas():
     assert bound == "read" and floor == pytest.approx(17.56, abs=0.01)
     floor, bound = harness.moe_floor_us(128, 8, 2048, 768, 16384, at_4300)
     assert bound == "flops" and floor == pytest.approx(flops / 790e12 * 1e6)
+    # a sample's D replaces the expectation: half the experts, half the read floor
+    floor, bound = harness.moe_floor_us(128, 8, 2048, 768, 1, at_4300, distinct=4.0)
+    assert bound == "read" and floor == pytest.approx(17.56 / 2, abs=0.01)
 
 
 def test_add_speedups():

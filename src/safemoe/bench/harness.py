@@ -364,10 +364,22 @@ def distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
 
 
 def moe_weight_bytes(
-    num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int, bytes_per_element: int = 2
+    num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int, bytes_per_element: int = 2,
+    distinct: float | None = None,
 ) -> float:
-    """Expert weight bytes read: D x (w13 [2I, H] + w2 [H, I]) = D x 3*H*I x bytes_per_element."""
-    return distinct_experts(num_experts, top_k, num_tokens) * 3 * hidden * inter * bytes_per_element
+    """Expert weight bytes read: D x (w13 [2I, H] + w2 [H, I]) = D x 3*H*I x bytes_per_element, with D
+    the experts the timed routings hit (`distinct`, e.g. `sampled_distinct_experts`) or, without
+    it, its expectation under uniform routing."""
+    if distinct is None:
+        distinct = distinct_experts(num_experts, top_k, num_tokens)
+    return distinct * 3 * hidden * inter * bytes_per_element
+
+
+def sampled_distinct_experts(ids: list[torch.Tensor]) -> float:
+    """Mean number of distinct experts in each routing sample's ids ([T, K] each): the D of the
+    samples a bench times, which at small T can sit well off the uniform expectation (Mixtral T = 8:
+    16 slots over 8 experts)."""
+    return sum(int(torch.unique(sample[sample >= 0]).numel()) for sample in ids) / len(ids)
 
 
 def moe_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> float:
@@ -383,9 +395,10 @@ def moe_decode_floor_us(
     num_tokens: int,
     ceilings: DeviceCeilings,
     bytes_per_element: int = 2,
+    distinct: float | None = None,
 ) -> float:
     """Decode floor: D x 3*H*I*bytes / streaming-read bandwidth (activations ignored: tiny)."""
-    nbytes = moe_weight_bytes(num_experts, top_k, hidden, inter, num_tokens, bytes_per_element)
+    nbytes = moe_weight_bytes(num_experts, top_k, hidden, inter, num_tokens, bytes_per_element, distinct)
     return bytes_floor_us(nbytes, ceilings.read_gbps)
 
 
@@ -404,9 +417,12 @@ def moe_floor_us(
     num_tokens: int,
     ceilings: DeviceCeilings,
     bytes_per_element: int = 2,
+    distinct: float | None = None,
 ) -> tuple[float, str]:
-    """The roofline floor of the expert step: max(decode floor, prefill floor), and which bound."""
-    read = moe_decode_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings, bytes_per_element)
+    """The roofline floor of the expert step: max(decode floor, prefill floor), and which bound
+    (`distinct`: the experts the timed routings hit, as in moe_weight_bytes)."""
+    read = moe_decode_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings, bytes_per_element,
+                               distinct)
     compute = moe_prefill_floor_us(top_k, hidden, inter, num_tokens, ceilings)
     return (read, "read") if read >= compute else (compute, "flops")
 
