@@ -470,45 +470,6 @@ def test_few_slot_path_in_a_large_batch(one_launch: bool) -> None:
             assert_equal(out[rows], alone, what=f"num_valid={num_valid}: in T=24 vs a batch of {num_valid}")
 
 
-@interpreter_only(INTERPRETER_ONLY)
-def test_fused_combine_counters_shared_and_left_zero() -> None:
-    """A bucket whose every call takes the few-slot path fuses the combine into GEMM2: the last tile
-    to finish a counter's columns writes them. With more N-blocks than counters (E = 3: 4 counters,
-    H = 200 in 16-column tiles: 13 N-blocks) every column is written, every num_valid (device
-    tensor) matches the reference with exact-zero padding rows, the counters are zero after each
-    call, and a large batch on the same workspace (several dispatch chunks, which count into the
-    same counters) is still right."""
-    from safemoe.kernels.dispatch import CHUNK
-
-    gen = torch.Generator().manual_seed(5)
-    num_experts, top_k, hidden, inter = 3, 2, 200, 24
-    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
-    tiles = GemmTiles(block_n=16, block_k=16, group_m=1, num_stages=1)
-    few = ExpertsConfig(16, tiles, tiles)
-    big = CHUNK // top_k + 5
-    ws = Workspace(big, num_experts, top_k, hidden, inter, torch.float32, "cpu")
-    counts = ws.views(4, num_experts, top_k, hidden, inter).counts
-    assert counts.numel() == 4 < math.ceil(hidden / 16)
-    nv = torch.tensor(0)
-    for num_tokens in (1, 4, 8):
-        x = torch.randn(num_tokens, hidden, generator=gen)
-        weights, ids = _routing(num_tokens, top_k, num_experts, gen)
-        for num_valid in range(num_tokens + 1):
-            nv.fill_(num_valid)
-            out = experts_triton(x, w13, w2, weights, ids, activation="silu", num_valid=NumValid(None, nv),
-                                 health=None, workspace=ws, out=poisoned(x.shape, torch.float32), config=few,
-                                 few_config=few)
-            what = f"T={num_tokens} num_valid={num_valid}"
-            assert_close(out, _reference(x, w13, w2, weights, ids, num_valid=num_valid), what=what)
-            assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]), what=what)
-            assert counts.tolist() == [0, 0, 0, 0], what
-    x = torch.randn(big, hidden, generator=gen)
-    weights, ids = _routing(big, top_k, num_experts, gen)
-    out = _run(x, w13, w2, weights, ids, workspace=ws, config=_config(32), out=poisoned(x.shape, torch.float32))
-    assert_close(out, _reference(x, w13, w2, weights, ids), what="large batch after fused calls")
-    assert counts.tolist() == [0, 0, 0, 0]
-
-
 def test_few_config_errors() -> None:
     """The few-slot path is refused, with its argument named, where it cannot run."""
     tiles = GemmTiles(block_n=32, block_k=32)

@@ -19,23 +19,6 @@ from safemoe.kernels.launch import launch_options, load_num_valid, wait_for_prev
 
 
 @triton.jit
-def sum_slots(y_ptr, ids_ptr, rows64, row_valid, cols, col_ok, num_experts, hidden, TOP_K: tl.constexpr,
-              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, CACHE: tl.constexpr):
-    """[BLOCK_T, BLOCK_H] fp32 sums over k = 0..K-1, in that order, of the y rows of the served slots
-    of rows `rows64` (columns `cols`); 0 where a row is not valid or has no served slot. CACHE is
-    y's load cache modifier ("" here; ".cg" where y was written by other programs of the same
-    launch: kernels/experts.py's fused combine)."""
-    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + rows64 * TOP_K + k, mask=row_valid, other=-1)
-        served = row_valid & (expert >= 0) & (expert < num_experts)
-        part = tl.load(y_ptr + (rows64 * TOP_K + k)[:, None] * hidden + cols[None, :],
-                       mask=served[:, None] & col_ok[None, :], other=0.0, cache_modifier=CACHE)
-        acc += part.to(tl.float32)
-    return acc
-
-
-@triton.jit
 def _combine_kernel(
     y_ptr,  # [T*K, H] weighted expert outputs by slot
     ids_ptr,  # [T, K] int32
@@ -67,8 +50,13 @@ def _combine_kernel(
              mask=padding[:, None] & col_ok[None, :])
     wait_for_previous_kernel(USE_PDL)
     if tl.program_id(0) * BLOCK_T < num_valid:
-        acc = sum_slots(y_ptr, ids_ptr, rows64, row_valid, cols, col_ok, num_experts, hidden, TOP_K, BLOCK_T,
-                        BLOCK_H, "")
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + rows64 * TOP_K + k, mask=row_valid, other=-1)
+            served = row_valid & (expert >= 0) & (expert < num_experts)
+            part = tl.load(y_ptr + (rows64 * TOP_K + k)[:, None] * hidden + cols[None, :],
+                           mask=served[:, None] & col_ok[None, :], other=0.0)
+            acc += part.to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_ok[None, :])
 
 

@@ -50,7 +50,7 @@ from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
 from safemoe.configs import ExpertsConfig, GemmTiles, batch_invariant_config, get_config
 from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
-from safemoe.kernels.combine import combine_into, sum_slots
+from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.launch import (
     launch_options,
@@ -612,15 +612,12 @@ def _gemm2_tiles(
 @triton.jit
 def _gemm2_few_tiles(
     inter_ptr, w2_arg, weights_ptr, ids_ptr, valid_slots, num_experts, inter_scale_ptr, w2_scale_ptr,
-    y_ptr, out_ptr, counter_ptr, num_tokens, hidden, inter, expert_stride, inter_scale_stride,
-    w_scale_expert_stride, w_scale_row_stride,
-    TOP_K: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, FEW: tl.constexpr, BLOCK_N: tl.constexpr,
+    y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, FEW: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr, COMBINE: tl.constexpr, COUNTERS: tl.constexpr,
-    ROWS: tl.constexpr,
+    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    """GEMM2 over the few-slot layout, the tiles of _gemm1_few_tiles. With COMBINE (every call of
-    the bucket takes this path, T <= ROWS) the combine is fused: see _few_combine_arrival."""
+    """GEMM2 over the few-slot layout, the tiles of _gemm1_few_tiles."""
     slot, expert, rank, leaders, _ = _few_slots(ids_ptr, valid_slots, num_experts, FEW)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     for tile in range(tl.program_id(0), leaders * num_n_blocks, tl.num_programs(0)):
@@ -629,51 +626,6 @@ def _gemm2_few_tiles(
                     w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
                     w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, FEW, BLOCK_N, BLOCK_K, EVEN_K,
                     DOT_PRECISION, USE_TMA, ROWWISE)
-        if COMBINE:
-            _few_combine_arrival(n_block, leaders, num_n_blocks, counter_ptr, y_ptr, ids_ptr, out_ptr,
-                                 valid_slots // TOP_K, num_tokens, num_experts, hidden, TOP_K, COUNTERS, BLOCK_N,
-                                 ROWS)
-    if COMBINE:  # noqa: SIM102 (COMBINE is a compile-time constant)
-        if (leaders == 0) & (tl.program_id(0) == 0):
-            # No tile, so no arrival: every row of out is a zero row (padding, or no served slot).
-            rows = tl.arange(0, ROWS).to(tl.int64)
-            for n_block in range(0, num_n_blocks):
-                cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-                tl.store(out_ptr + rows[:, None] * hidden + cols[None, :],
-                         tl.zeros((ROWS, BLOCK_N), dtype=out_ptr.dtype.element_ty),
-                         mask=(rows < num_tokens)[:, None] & (cols < hidden)[None, :])
-
-
-@triton.jit
-def _few_combine_arrival(n_block, leaders, num_n_blocks, counter_ptr, y_ptr, ids_ptr, out_ptr, num_valid,
-                         num_tokens, num_experts, hidden, TOP_K: tl.constexpr, COUNTERS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    """The combine fused into the few-slot GEMM2 of a bucket whose every call takes that path
-    (T*K <= FEW_SLOTS: decode; no combine launch, one kernel boundary fewer). N-blocks share
-    COUNTERS counters (n_block % COUNTERS; the workspace's dispatch counts, zero between calls and
-    unused by a call that runs no dispatch): each finished tile arrives at its counter, and the
-    last arrival of a counter's tiles (leaders x its N-blocks) writes those columns of every row of
-    out, exactly as kernels/combine.py does (the same ordered sum, padding rows zero), then puts the
-    counter back to zero. Its y loads skip L1 (.cg): other programs of this launch wrote them."""
-    group = n_block % COUNTERS
-    group_blocks = (num_n_blocks - group + COUNTERS - 1) // COUNTERS
-    # Every thread's y stores are ordered before the arrival by this barrier and the atomic's
-    # release; the last arrival's acquire then sees every tile's stores (dispatch's ticket does
-    # the same).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel")
-    if arrived == leaders * group_blocks - 1:
-        rows = tl.arange(0, ROWS)
-        rows64 = rows.to(tl.int64)
-        row_valid = rows < num_valid
-        for block in range(group, num_n_blocks, COUNTERS):
-            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < hidden
-            acc = sum_slots(y_ptr, ids_ptr, rows64, row_valid, cols, col_ok, num_experts, hidden, TOP_K, ROWS,
-                            BLOCK_N, ".cg")
-            tl.store(out_ptr + rows64[:, None] * hidden + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=(rows < num_tokens)[:, None] & col_ok[None, :])
-        tl.atomic_xchg(counter_ptr + group, 0, sem="relaxed")
 
 
 @triton.jit
@@ -726,8 +678,6 @@ def _gemm2_kernel(
     w2_scale_ptr,  # QUANT 1: [E] float32; QUANT 2: [E, ceil(H/128), ceil(I/128)]
     # outputs
     y_ptr,  # [T*K, H]
-    out_ptr,  # COMBINE: [T, H] the experts' output (the combine is fused)
-    counter_ptr,  # COMBINE: [COUNTERS] int32, zero on entry and on exit
     # shapes
     num_valid_count,
     num_tokens,
@@ -768,20 +718,15 @@ def _gemm2_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
-    # fused combine (ONLY_FEW buckets): _few_combine_arrival; COUNTERS counters, T <= ROWS
-    COMBINE: tl.constexpr = False,
-    COUNTERS: tl.constexpr = 1,
-    ROWS: tl.constexpr = 1,
 ):
     wait_for_previous_kernel(USE_PDL)
     if FEW > 0:
         valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
         if valid_slots <= FEW:
             _gemm2_few_tiles(inter_ptr, w2_few_arg, weights_ptr, ids_ptr, valid_slots, num_experts,
-                             inter_scale_ptr, w2_scale_ptr, y_ptr, out_ptr, counter_ptr, num_tokens, hidden, inter,
-                             expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, TOP_K,
-                             QUANT, UPCAST, FEW, FEW_BLOCK_N, FEW_BLOCK_K, FEW_EVEN_K, DOT_PRECISION, FEW_USE_TMA,
-                             ROWWISE, COMBINE, COUNTERS, ROWS)
+                             inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
+                             inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
+                             FEW, FEW_BLOCK_N, FEW_BLOCK_K, FEW_EVEN_K, DOT_PRECISION, FEW_USE_TMA, ROWWISE)
         elif not ONLY_FEW:  # (compiled out when every call takes the few-slot path)
             _gemm2_layout_tiles(inter_ptr, w2_arg, w2_small_arg, weights_ptr, sorted_slots_ptr, block_end_ptr,
                                 num_blocks_ptr, inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter,
@@ -1024,13 +969,9 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
                cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
                max_tokens: int | None = None, few: FewSlots | None = None, use_pdl: bool = False,
-               fp8: Fp8Operands | None = None, rowwise: bool = False,
-               combine_out: torch.Tensor | None = None) -> None:
+               fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
     """GEMM2 over the dispatch layout, main or small tiles (or one layout), or the few-slot path, as
-    in gemm1_into; with fp8 its A rows are the quantised intermediate in fp8.views. combine_out
-    (only with few.only): the combine is fused and writes this [T, H] output (no combine launch)."""
-    if combine_out is not None and (few is None or not few.only):
-        raise ValueError("combine_out: the fused combine serves buckets whose every call takes the few-slot path")
+    in gemm1_into; with fp8 its A rows are the quantised intermediate in fp8.views."""
     num_experts, hidden, inter = w2.shape
     tiles: GemmTiles = cfg.gemm2
     rows = num_tokens if max_tokens is None else max_tokens
@@ -1053,22 +994,14 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
     _gemm2_kernel[(grid,)](
         a, weight_operand, small_arg, few_arg, weights, views.sorted_slots, views.block_end,
         views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"], a_scale, w_scale,
-        views.y, combine_out if combine_out is not None else views.y, views.counts,
+        views.y,
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
         TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=quant, UPCAST=_upcast(a.dtype),
         **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"],
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
-        COMBINE=combine_out is not None, COUNTERS=views.counts.numel(),
-        ROWS=triton.next_power_of_2(num_tokens) if combine_out is not None else 1,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
-
-
-# The combine fused into the few-slot GEMM2 of buckets with T*K <= FEW_SLOTS (_few_combine_arrival).
-# A module switch for same-process A/B runs (scripts/debug/fused_combine.py); results are bitwise
-# the same either way.
-FUSED_COMBINE = True
 
 
 def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
@@ -1256,13 +1189,10 @@ def experts_triton(
         quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
                                 operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
                                 small_block_m, positions, use_pdl=use_pdl)
-    # A bucket whose every call takes the few-slot path (T*K <= FEW_SLOTS) fuses the combine into GEMM2.
-    fused_combine = FUSED_COMBINE and few is not None and few.only
     gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
-               fp8=operands, rowwise=rowwise, combine_out=out if fused_combine else None)
+               fp8=operands, rowwise=rowwise)
     if separate is not None:
         gemm2_into(w2, weights, views, num_tokens, top_k, separate, layout=1, max_tokens=small_tokens,
                    use_pdl=use_pdl, fp8=operands)
-    if not fused_combine:
-        combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
+    combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
     return out
