@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from safemoe.bench import experts_fp8
 from safemoe.bench.harness import BenchRow
 
@@ -48,3 +50,18 @@ def test_each_fp8_target_met_and_missed(tmp_path):
 def test_quick_runs_time_the_bf16_kernel_at_the_prefill_point():
     assert experts_fp8.PREFILL_TOKENS_13 in experts_fp8.QUICK_TOKENS
     assert set(experts_fp8.PREFILL_SHAPES_13) <= set(experts_fp8.QUICK_SHAPES)
+
+
+def test_fp8_floor_counts_the_experts_the_samples_hit():
+    """The read floor of an fp8 step with the samples' D (issue 13's "% read") against the uniform
+    expectation's: proportional, and the same when D is the expectation."""
+    from safemoe.bench.experts_fp8 import fp8_floor_us
+    from safemoe.bench.harness import DeviceCeilings, distinct_experts
+
+    shape = (128, 8, 2048, 768, "silu")
+    ceilings = DeviceCeilings("x", 3000.0, 3000.0, 800.0, 1600.0)
+    expected = distinct_experts(128, 8, 8)
+    base, bound = fp8_floor_us(shape, 8, "block", ceilings)
+    assert bound == "read"
+    assert fp8_floor_us(shape, 8, "block", ceilings, expected)[0] == pytest.approx(base)
+    assert fp8_floor_us(shape, 8, "block", ceilings, expected / 2)[0] == pytest.approx(base / 2)

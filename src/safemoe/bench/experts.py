@@ -35,6 +35,7 @@ from safemoe.bench.harness import (
     moe_floor_us,
     plot_pct_of_floor,
     progress,
+    sampled_distinct_experts,
     time_eager,
     time_graph,
 )
@@ -176,7 +177,9 @@ def _case_rows(
 
     num_experts, top_k, hidden, inter, activation = shape
     inputs = Inputs(shape, num_tokens, w13.device, seed=num_tokens)
-    floor, bound = moe_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings)
+    # The read floor counts the experts these routings hit (issue 13's "% read"; as the layer suite).
+    floor, bound = moe_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings,
+                                distinct=sampled_distinct_experts(inputs.ids))
     timing = timing_args(1.3 * floor + 15)
     steps = _Steps(shape, inputs, w13, w2, num_valid=num_tokens)
 

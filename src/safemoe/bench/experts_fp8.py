@@ -46,6 +46,7 @@ from safemoe.bench.harness import (
     moe_flops,
     plot_pct_of_floor,
     progress,
+    sampled_distinct_experts,
     time_graph,
     write_targets,
 )
@@ -80,15 +81,19 @@ DECODE_PCT_13 = 88.0
 
 
 def fp8_floor_us(
-    shape: tuple[int, int, int, int, str], num_tokens: int, mode: str, ceilings: DeviceCeilings
+    shape: tuple[int, int, int, int, str], num_tokens: int, mode: str, ceilings: DeviceCeilings,
+    distinct: float | None = None,
 ) -> tuple[float, str]:
-    """(floor, bound) of an fp8 expert step: fp8 weight + scale bytes read, or fp8 FLOPs."""
+    """(floor, bound) of an fp8 expert step: fp8 weight + scale bytes read, or fp8 FLOPs. `distinct`:
+    the experts the timed routings hit (default: the uniform expectation)."""
     num_experts, top_k, hidden, inter, _ = shape
     if mode == "block":
         scales = 3 * math.ceil(hidden / 128) * math.ceil(inter / 128) * 4  # w13 and w2 block grids
     else:
         scales = 2 * 4
-    nbytes = distinct_experts(num_experts, top_k, num_tokens) * (3 * hidden * inter + scales)
+    if distinct is None:
+        distinct = distinct_experts(num_experts, top_k, num_tokens)
+    nbytes = distinct * (3 * hidden * inter + scales)
     read = bytes_floor_us(nbytes, ceilings.read_gbps)
     peak = ceilings.fp8_tflops or 2 * ceilings.bf16_tflops
     compute = flops_floor_us(moe_flops(num_tokens, top_k, hidden, inter), peak)
@@ -230,6 +235,8 @@ def _case_rows(
     num_experts, top_k, hidden, inter, activation = shape
     device = weights.w13.device
     inputs = Inputs(shape, num_tokens, device, seed=num_tokens)
+    # The read floors count the experts these routings hit (issue 13's "% read"; as the layer suite).
+    distinct = sampled_distinct_experts(inputs.ids)
     outs = [torch.empty_like(x) for x in inputs.xs]
     workspace = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device, fp8=True)
     nv = NumValid(None, torch.tensor(num_tokens, device=device, dtype=torch.int32))
@@ -271,10 +278,11 @@ def _case_rows(
         )
 
     for mode in MODES:
-        add(f"safemoe-fp8-{mode}", safemoe_step(mode), fp8_floor_us(shape, num_tokens, mode, ceilings))
+        add(f"safemoe-fp8-{mode}", safemoe_step(mode),
+            fp8_floor_us(shape, num_tokens, mode, ceilings, distinct))
     bf16 = None
     if with_bf16:
-        bf16_floor = moe_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings)
+        bf16_floor = moe_floor_us(num_experts, top_k, hidden, inter, num_tokens, ceilings, distinct=distinct)
         bf16 = add("safemoe-bf16", safemoe_step(None), bf16_floor)
     q13, q2, per_tensor = weights.fp8["per_tensor"]
     add(
@@ -289,14 +297,14 @@ def _case_rows(
             inputs.ids[j],
             activation,
         ),
-        fp8_floor_us(shape, num_tokens, "per_tensor", ceilings),
+        fp8_floor_us(shape, num_tokens, "per_tensor", ceilings, distinct),
     )
     if importlib.util.find_spec("vllm") is not None:
         for mode in MODES:
             add(
                 f"vllm-fp8-{mode}",
                 _vllm_step(inputs, weights, mode),
-                fp8_floor_us(shape, num_tokens, mode, ceilings),
+                fp8_floor_us(shape, num_tokens, mode, ceilings, distinct),
             )
     if num_tokens in QUANTIZE_TOKENS:
         rows.append(_quantize_row(case, shape, num_tokens, weights, inputs, workspace, nv, ceilings))
