@@ -81,7 +81,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
     parser.add_argument("--tokens", default="1024")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--pps", default="", help="comma-separated programs per SM to time the table's config at")
+    parser.add_argument("--pps", default="",
+                        help="comma-separated programs per SM to time the table's config at")
     parser.add_argument("--few-bucket", type=int, default=0,
                         help="also time one valid row with this bucket's tiles on the few-slot path")
     args = parser.parse_args()
@@ -95,16 +96,19 @@ def main() -> None:
             time_it = _timer(shape, num_tokens)
             if args.pps:
                 num_experts, top_k, hidden, inter, _ = shape
-                tuned = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, torch.device("cuda"))
+                tuned = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16,
+                                   torch.device("cuda"))
                 for pps in (int(p) for p in args.pps.split(",")):
-                    row = {"shape": name, "tokens": num_tokens, "pps": pps, "tuned_pps": tuned.programs_per_sm,
-                           "one_launch": tuned.one_launch, "t1_us": round(one, 2)}
+                    row = {"shape": name, "tokens": num_tokens, "pps": pps,
+                           "tuned_pps": tuned.programs_per_sm, "one_launch": tuned.one_launch,
+                           "t1_us": round(one, 2)}
                     for num_valid in (1, 8, num_tokens):
                         row[f"valid_{num_valid}"] = round(time_it(num_valid, tuned.one_launch, pps=pps), 2)
                     rows.append(row)
                     print(f"{name:9} T={num_tokens} pps={pps} (tuned {tuned.programs_per_sm}): 1 valid "
-                          f"{row['valid_1']:8.2f} ({row['valid_1'] / one:.2f}x T=1)  8 valid {row['valid_8']:8.2f}  "
-                          f"full {row[f'valid_{num_tokens}']:9.2f}", flush=True)
+                          f"{row['valid_1']:8.2f} ({row['valid_1'] / one:.2f}x T=1)  "
+                          f"8 valid {row['valid_8']:8.2f}  full {row[f'valid_{num_tokens}']:9.2f}",
+                          flush=True)
                 continue
             for one_launch in (False, True):
                 row = {"shape": name, "tokens": num_tokens, "one_launch": one_launch, "t1_us": round(one, 2)}

@@ -41,41 +41,48 @@ def _probe_kernel(a_ptr, a_desc, b_desc, c_ptr, rows_ptr, M, N, K,
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16))
 
 
+CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 4, 3))  # BM, BN, BK, warps, stages
+
+
+def _probe_shape(m: int, n: int, k: int) -> None:
+    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    rows = torch.randperm(m, device="cuda", dtype=torch.int32)
+    flops = 2 * m * n * k
+    ref_us = time_graph(lambda j: torch.mm(a, b.T), calls_per_graph=5, replays=10)
+    print(f"M={m} N={n} K={k}: torch.mm {flops / ref_us / 1e6:.0f} TFLOP/s ({ref_us:.0f} us)")
+    gathered_ref = a[rows.long()].float() @ b.float().T
+    for (bm, bn, bk, warps, stages), gather, ws in itertools.product(CONFIGS, (False, True), (False, True)):
+        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
+        rows_used = rows if gather else torch.arange(m, device="cuda", dtype=torch.int32)
+        grid = (m // bm, n // bn)
+
+        def step(j, a_desc=a_desc, b_desc=b_desc, rows_used=rows_used, bm=bm, bn=bn, bk=bk, warps=warps,
+                 stages=stages, gather=gather, ws=ws, grid=grid):
+            _probe_kernel[grid](a, a_desc, b_desc, c, rows_used, m, n, k, bm, bn, bk, gather, ws, stages,
+                                num_warps=warps)
+        name = f"  {bm}x{bn}x{bk} w{warps} s{stages} {'gather' if gather else 'desc  '} ws={int(ws)}"
+        try:
+            step(0)
+            torch.cuda.synchronize()
+            want = gathered_ref if gather else a.float() @ b.float().T
+            err = ((c.float() - want).abs().max() / want.abs().max()).item()
+            us = time_graph(step, calls_per_graph=5, replays=10)
+            print(f"{name}: {flops / us / 1e6:6.0f} TFLOP/s ({us:.0f} us) max rel err {err:.1e}", flush=True)
+        except Exception as exc:  # a probe reports what fails to compile
+            first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            print(f"{name}: FAILED {type(exc).__name__}: {first_line}")
+            traceback.print_exc(limit=1)
+
+
 def main() -> None:
     torch.manual_seed(0)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     print(torch.cuda.get_device_name(), "triton", triton.__version__)
     for m, n, k in ((8192, 8192, 8192), (4096, 4096, 14336), (8192, 1536, 2048)):
-        a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-        c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        rows = torch.randperm(m, device="cuda", dtype=torch.int32)
-        flops = 2 * m * n * k
-        ref_us = time_graph(lambda j: torch.mm(a, b.T), calls_per_graph=5, replays=10)
-        print(f"M={m} N={n} K={k}: torch.mm {flops / ref_us / 1e6:.0f} TFLOP/s ({ref_us:.0f} us)")
-        ref = (a[rows.long()].float() @ b.float().T)
-        for (bm, bn, bk, warps, stages), gather, ws in itertools.product(
-                ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 4, 3)), (False, True), (False, True)):
-            a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-            b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
-            rows_used = rows if gather else torch.arange(m, device="cuda", dtype=torch.int32)
-            grid = (m // bm, n // bn)
-
-            def step(j, a_desc=a_desc, b_desc=b_desc, rows_used=rows_used, bm=bm, bn=bn, bk=bk, warps=warps,
-                     stages=stages, gather=gather, ws=ws, grid=grid):
-                _probe_kernel[grid](a, a_desc, b_desc, c, rows_used, m, n, k, bm, bn, bk, gather, ws, stages,
-                                    num_warps=warps)
-            name = f"  {bm}x{bn}x{bk} w{warps} s{stages} {'gather' if gather else 'desc  '} ws={int(ws)}"
-            try:
-                step(0)
-                torch.cuda.synchronize()
-                want = ref if gather else a.float() @ b.float().T
-                err = ((c.float() - want).abs().max() / want.abs().max()).item()
-                us = time_graph(step, calls_per_graph=5, replays=10)
-                print(f"{name}: {flops / us / 1e6:6.0f} TFLOP/s ({us:.0f} us) max rel err {err:.1e}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - a probe reports what fails to compile
-                print(f"{name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-                traceback.print_exc(limit=1)
+        _probe_shape(m, n, k)
 
 
 if __name__ == "__main__":
