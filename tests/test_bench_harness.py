@@ -50,6 +50,8 @@ def test_floor_formulas():
     # the experts samples actually hit (issue 13's "% read"), padded slots (-1) not counted
     samples = [torch.tensor([[0, 1], [1, 2]]), torch.tensor([[3, 3], [-1, -1]])]
     assert harness.sampled_distinct_experts(samples) == pytest.approx((3 + 1) / 2)
+    with pytest.raises(ValueError, match="no routing sample"):
+        harness.sampled_distinct_experts([])
     at_4300 = harness.DeviceCeilings("x", 4300.0, 4300.0, 790.0, None)
     assert harness.moe_decode_floor_us(128, 8, 2048, 768, 1, at_4300) == pytest.approx(17.56, abs=0.01)
     flops = 2 * 16384 * 8 * 3 * 2048 * 768

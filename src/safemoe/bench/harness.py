@@ -379,6 +379,8 @@ def sampled_distinct_experts(ids: list[torch.Tensor]) -> float:
     """Mean number of distinct experts in each routing sample's ids ([T, K] each): the D of the
     samples a bench times, which at small T can sit well off the uniform expectation (Mixtral T = 8:
     16 slots over 8 experts)."""
+    if not ids:
+        raise ValueError("sampled_distinct_experts: ids holds no routing sample")
     return sum(int(torch.unique(sample[sample >= 0]).numel()) for sample in ids) / len(ids)
 
 
