@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from safemoe.bench import experts_fp8
-from safemoe.bench.harness import BenchRow
+from safemoe.bench.harness import BenchRow, DeviceCeilings, distinct_experts
 
 
 def row(case: str, tokens: int, us: float | None, floor: float, impl: str = "safemoe-fp8-block",
@@ -55,9 +55,7 @@ def test_quick_runs_time_the_bf16_kernel_at_the_prefill_point():
 def test_fp8_floor_counts_the_experts_the_samples_hit():
     """The read floor of an fp8 step with the samples' D (issue 13's "% read") against the uniform
     expectation's: proportional, and the same when D is the expectation."""
-    from safemoe.bench.experts_fp8 import fp8_floor_us
-    from safemoe.bench.harness import DeviceCeilings, distinct_experts
-
+    fp8_floor_us = experts_fp8.fp8_floor_us
     shape = (128, 8, 2048, 768, "silu")
     ceilings = DeviceCeilings("x", 3000.0, 3000.0, 800.0, 1600.0)
     expected = distinct_experts(128, 8, 8)
