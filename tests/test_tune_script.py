@@ -461,19 +461,22 @@ def test_main_tunes_fp8_under_its_own_key(monkeypatch, tmp_path):
     path = _fake_gpu(monkeypatch, tmp_path, tune)
     path.write_text(json.dumps({"notes": "kept", "configs": {}}))
     seen = []
+    import torch
 
     def fake_tune_case(case, log, deadline):
         seen.append((case.num_tokens, case.quant, case.w13.dtype, case.ws.fp8))
+        cuda = torch.device("cuda", 0)
+        assert case.incumbent == tune.incumbent_config("tiny", case.num_tokens, "block", cuda)
         return _cfg(16 if case.num_tokens <= 8 else 32), 50.0
 
     monkeypatch.setattr(tune, "tune_case", fake_tune_case)
     argv = ["--out", str(tmp_path / "out"), "--shapes", "tiny", "--tokens", "8,64", "--no-precompile",
             "--quant", "block", "--write"]
     assert tune.main(argv) == 0
-    import torch
-
     assert seen == [(8, "block", torch.float8_e4m3fn, True), (64, "block", torch.float8_e4m3fn, True)]
-    configs = json.loads(path.read_text())["configs"]
+    written = json.loads(path.read_text())
+    assert "date" not in written and written["fp8_block_run"]["device"] == "FakeGPU", "bf16 metadata kept"
+    configs = written["configs"]
     assert list(configs) == ["E4_H64_I32_K2_bfloat16_fp8-block"]
     entries = configs["E4_H64_I32_K2_bfloat16_fp8-block"]
     assert not any(e["one_launch"] or "one_launch_us" in e for e in entries.values())
@@ -526,3 +529,41 @@ def test_precompile_stand_ins_have_the_scale_shapes_of_real_fp8_weights():
         assert stand_in.mode == real.mode == mode
         assert stand_in.w13_scale.shape == real.w13_scale.shape
         assert stand_in.w2_scale.shape == real.w2_scale.shape
+
+
+def test_the_incumbent_is_compiled_timed_and_can_win(monkeypatch):
+    """A bucket's config of today (here the fp8 block heuristic at T = 8192, whose 256-column
+    GEMM2 no candidate list holds) is precompiled and timed first; when nothing beats it in the
+    run's own timings it stays."""
+    import torch
+
+    from safemoe.configs import heuristic_fp8_config, limit_block_k
+
+    tune = _load()
+    incumbent = limit_block_k(heuristic_fp8_config(8192, 128, 2048, 768, 8, "block"), 128)
+    key = json.dumps(incumbent.to_json(), sort_keys=True)
+    plan = {json.dumps(c.to_json(), sort_keys=True) for c in tune.candidate_plan(8192, 128, 8, "block")}
+    assert key not in plan
+    tasks = tune.compile_tasks(["qwen3"], {"qwen3": (8192,)}, "block", {("qwen3", 8192): incumbent})
+    compiled = [json.dumps(c, sort_keys=True) for _, _, items, _ in tasks for c, _ in items]
+    assert compiled.count(key) == 1 and len(compiled) == len(plan) + 1
+    assert tune.incumbent_config("qwen3", 8192, "block", torch.device("cpu")).gemm2.block_k <= 128
+
+    class Case:
+        name, num_tokens, quant, fp8 = "qwen3", 8192, "block", object()
+
+        def __init__(self):
+            self.incumbent = incumbent
+
+        def check(self, cfg):
+            return 0.0
+
+    sweeps = []
+
+    def fake_timed(case, cfg, log, sweep, est, small=None, num_valid=None):
+        sweeps.append(sweep)
+        return 100.0 if json.dumps(cfg.to_json(), sort_keys=True) == key else 103.0 + len(sweeps) % 3
+
+    monkeypatch.setattr(tune, "_timed", fake_timed)
+    best, us = tune.tune_case(Case(), [], deadline=float("inf"))
+    assert sweeps[0] == "incumbent" and best == incumbent and us == 100.0
