@@ -567,3 +567,21 @@ def test_the_incumbent_is_compiled_timed_and_can_win(monkeypatch):
     monkeypatch.setattr(tune, "_timed", fake_timed)
     best, us = tune.tune_case(Case(), [], deadline=float("inf"))
     assert sweeps[0] == "incumbent" and best == incumbent and us == 100.0
+
+
+def test_keep_incumbent_within_the_replace_margin():
+    """A winner faster by at most REPLACE_MARGIN does not replace the incumbent (its tiles may also
+    serve other buckets' padded steps); a clearly faster one does; no incumbent timed: unchanged."""
+    tune = _load()
+    assert tune.REPLACE_MARGIN == 0.01
+    incumbent, rival, third = _cfg(16), _cfg(32), _cfg(64)
+    results = [(748.7, rival), (751.3, incumbent), (760.0, third)]
+    kept = tune.keep_incumbent(results, incumbent)
+    assert kept[0] == (751.3, incumbent) and sorted(map(id, kept)) == sorted(map(id, results))
+    faster = [(740.0, rival), (751.3, incumbent)]
+    assert tune.keep_incumbent(faster, incumbent) == faster
+    assert tune.keep_incumbent(results, None) == results
+    assert tune.keep_incumbent([(748.7, rival)], incumbent) == [(748.7, rival)]
+    # an equal config built anew (another object, extra fields) is the incumbent too
+    same = tune.replace(incumbent, extra={"us": 1.0})
+    assert tune.keep_incumbent([(748.7, rival), (750.0, same)], incumbent)[0][1] is same

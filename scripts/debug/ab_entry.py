@@ -1,0 +1,94 @@
+"""A/B one config-table entry inside the whole layer, interleaved, on a GPU.
+
+    PYTHONPATH=src python scripts/debug/ab_entry.py SHAPE T[:NUM_VALID] BUCKET OTHER_TABLE.json
+        [--rounds 5] [--out FILE.json]
+
+Times `safemoe.moe` (route + experts, bf16, a workspace, num_valid as a device tensor, CUDA-graph
+replay over 8 seeded routings) at T tokens with NUM_VALID valid rows (default T), once with the
+device table as it is ("table") and once with the entry of BUCKET for SHAPE taken from
+OTHER_TABLE (a device JSON of another commit or tuning run; "other"), alternating for --rounds
+rounds; prints each side's median. The entry need not be the bucket T runs: the few-slot tiles
+of a larger bucket come from a smaller bucket's entry (`few_slots_config`), so a T = 1024 padded
+step can depend on the T = 8 entry. A measurement script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+import safemoe
+from safemoe.bench.harness import time_graph
+from safemoe.configs import ExpertsConfig, load_device_configs, shape_key
+from safemoe.workspace import Workspace
+
+SHAPES = {  # E, K, H, I, activation
+    "qwen3": (128, 8, 2048, 768, "silu"),
+    "mixtral": (8, 2, 4096, 14336, "silu"),
+    "gptoss": (128, 4, 2880, 2880, "swigluoai"),
+    "deepseek": (256, 8, 7168, 2048, "silu"),
+}
+VARIANTS = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=SHAPES)
+    parser.add_argument("tokens", help="T or T:NUM_VALID")
+    parser.add_argument("bucket", type=int)
+    parser.add_argument("other_table", type=Path)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    num_experts, top_k, hidden, inter, activation = SHAPES[args.shape]
+    num_tokens, _, valid = args.tokens.partition(":")
+    num_tokens, num_valid = int(num_tokens), int(valid or num_tokens)
+    device = torch.device("cuda")
+    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+    table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
+    ours = table[key][args.bucket]
+    other_entries = json.loads(args.other_table.read_text())["configs"][key]
+    other = ExpertsConfig.from_json(other_entries[str(args.bucket)])
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
+    w13.mul_(hidden**-0.5)
+    w2.mul_(inter**-0.5)
+    xs = [torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+          for _ in range(VARIANTS)]  # fmt: skip
+    logits = [torch.randn(num_tokens, num_experts, device=device, dtype=torch.bfloat16, generator=gen)
+              for _ in range(VARIANTS)]  # fmt: skip
+    nv = torch.tensor(num_valid, dtype=torch.int32, device=device)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
+
+    def step(j: int) -> torch.Tensor:
+        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, activation=activation, num_valid=nv,
+                           workspace=ws)
+
+    times: dict[str, list[float]] = {"table": [], "other": []}
+    for _ in range(args.rounds):
+        for side, cfg in (("table", ours), ("other", other)):
+            table[key][args.bucket] = cfg
+            times[side].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
+    table[key][args.bucket] = ours
+    med = {side: statistics.median(v) for side, v in times.items()}
+    result = {
+        "device": torch.cuda.get_device_name(device), "shape": args.shape, "T": num_tokens,
+        "num_valid": num_valid, "bucket": args.bucket, "table": ours.to_json(), "other": other.to_json(),
+        "us": times, "median_us": med, "other_over_table": med["other"] / med["table"],
+    }
+    print(f"{args.shape} T={num_tokens} num_valid={num_valid}, entry {args.bucket}: "
+          f"table {med['table']:.2f} us, "
+          f"other {med['other']:.2f} us ({med['other'] / med['table'] - 1:+.1%}); rounds: table "
+          f"{[round(t, 2) for t in times['table']]}, other {[round(t, 2) for t in times['other']]}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
