@@ -22,29 +22,33 @@ from pathlib import Path
 import torch
 
 import safemoe
+from safemoe.bench.experts import SHAPES
 from safemoe.bench.harness import time_graph
 from safemoe.configs import ExpertsConfig, load_device_configs, shape_key
 from safemoe.workspace import Workspace
 
-SHAPES = {  # E, K, H, I, activation
-    "qwen3": (128, 8, 2048, 768, "silu"),
-    "mixtral": (8, 2, 4096, 14336, "silu"),
-    "gptoss": (128, 4, 2880, 2880, "swigluoai"),
-    "deepseek": (256, 8, 7168, 2048, "silu"),
-}
 VARIANTS = 8
+
+
+def shape_named(prefix: str) -> tuple[int, int, int, int, str]:
+    """(E, K, H, I, activation) of the bench shape whose name starts with `prefix` ("qwen3",
+    "mixtral", "gpt" or "gptoss", "deepseek")."""
+    names = [n for n in SHAPES if n.replace("-", "").startswith(prefix.replace("-", ""))]
+    if len(names) != 1:
+        raise SystemExit(f"shape {prefix!r}: one of {', '.join(SHAPES)} (a prefix will do)")
+    return SHAPES[names[0]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shape", choices=SHAPES)
+    parser.add_argument("shape", help="a bench shape or its prefix: qwen3, mixtral, gptoss, deepseek")
     parser.add_argument("tokens", help="T or T:NUM_VALID")
     parser.add_argument("bucket", type=int)
     parser.add_argument("other_table", type=Path)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    num_experts, top_k, hidden, inter, activation = SHAPES[args.shape]
+    num_experts, top_k, hidden, inter, activation = shape_named(args.shape)
     num_tokens, _, valid = args.tokens.partition(":")
     num_tokens, num_valid = int(num_tokens), int(valid or num_tokens)
     device = torch.device("cuda")
