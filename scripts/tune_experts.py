@@ -20,10 +20,11 @@ How it searches (per model shape and token bucket T):
    GEMM1 candidates are timed with the base GEMM2, then GEMM2 candidates with the best GEMM1, per
    BLOCK_M, then TMA weight loads for each GEMM (`pdl` is on up to PDL_MAX_TOKENS).
    From T = 1024 the persistent grid's programs per SM (1, 2, 4, 8) too. The incumbent (what
-   `get_config` gives the bucket before this run: the device table's entry or the heuristic) is
-   timed among the candidates, so a re-tune never keeps tiles slower than today's in its own
-   timings (H100 2026-11-26: the first fp8 tune, without it, put tiles 3-14% slower than the
-   heuristic's at T = 8192 into the table; the heuristic's 256-column GEMM2 is in no list).
+   `get_config` gives the bucket before this run: the device table's entry, the nearest bucket's,
+   or the heuristic) and the heuristic's tiles are timed among the candidates, so a re-tune never
+   keeps tiles slower than those in its own timings (H100 2026-11-26: the first fp8 tune, without
+   them, put tiles 3-14% slower than the heuristic's at T = 8192 into the table; the heuristic's
+   256-column GEMM2 is in no list).
    The leaders (within CONFIRM_WINDOW of the fastest single timing) are then timed CONFIRM_ROUNDS
    more times, interleaved, and ranked by median (`confirm_ranking`); the incumbent stays unless
    the winner is faster by more than REPLACE_MARGIN (`keep_incumbent`). Where the bucket replays
@@ -537,16 +538,16 @@ def few_slots_tiles(cfg: ExpertsConfig, name: str, num_tokens: int, device: torc
 
 
 def compile_tasks(names: list[str], tokens_of: dict[str, tuple[int, ...]], quant: str | None = None,
-                  incumbents: dict[tuple[str, int], ExpertsConfig] | None = None) -> list[CompileTask]:
-    """Each distinct config once (at the first T that times it), 3 configs a task; `incumbents`
-    ({(shape, T): config}) are timed too."""
+                  baselines: dict[tuple[str, int], list[ExpertsConfig]] | None = None) -> list[CompileTask]:
+    """Each distinct config once (at the first T that times it), 3 configs a task; `baselines`
+    ({(shape, T): [incumbent, heuristic]}) are timed too."""
     tasks = []
     for name in names:
         num_experts, top_k, _, _ = SHAPES[name]
         seen: set[str] = set()
         for num_tokens in tokens_of[name]:
             fresh: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
-            extra = [incumbents[name, num_tokens]] if incumbents and (name, num_tokens) in incumbents else []
+            extra = (baselines or {}).get((name, num_tokens), [])
             for cfg in [*extra, *candidate_plan(num_tokens, num_experts, top_k, quant)]:
                 key = json.dumps(cfg.to_json(), sort_keys=True)
                 if key not in seen:
@@ -591,7 +592,7 @@ class Case:
 
     def __init__(
         self, name: str, w13: torch.Tensor, w2: torch.Tensor, num_tokens: int, seed: int = 0,
-        fp8: Any = None, incumbent: ExpertsConfig | None = None,
+        fp8: Any = None, incumbent: ExpertsConfig | None = None, heuristic: ExpertsConfig | None = None,
     ) -> None:
         from safemoe._checks import NumValid
         from safemoe.workspace import Workspace
@@ -603,6 +604,7 @@ class Case:
         self.fp8 = fp8
         self.quant: str | None = None if fp8 is None else fp8.mode
         self.incumbent = incumbent  # today's config of the bucket, timed among the candidates
+        self.heuristic = heuristic  # the untuned tiles, timed too (the incumbent may be a neighbour's)
         self.xs = [
             torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
             for _ in range(N_VARIANTS)
@@ -756,6 +758,19 @@ def incumbent_config(name: str, num_tokens: int, quant: str | None, device: torc
     return get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device, quant)
 
 
+def heuristic_tiles(name: str, num_tokens: int, quant: str | None) -> ExpertsConfig:
+    """The untuned tiles of this bucket (`heuristic_config`, or `heuristic_fp8_config` with block
+    mode's K limit): a bucket without an entry of its own runs a neighbour's within an octave,
+    which can be another regime's (fp8 Qwen3 T = 2048 would run T = 1024's 64-row tiles)."""
+    from safemoe.configs import heuristic_config, heuristic_fp8_config, limit_block_k
+
+    num_experts, top_k, hidden, inter = SHAPES[name]
+    if quant is None:
+        return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16)
+    cfg = heuristic_fp8_config(num_tokens, num_experts, hidden, inter, top_k, quant)
+    return limit_block_k(cfg, FP8_BLOCK_K) if quant == "block" else cfg
+
+
 def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[ExpertsConfig, float] | None:
     """The incumbent (if any), coordinate descent per BLOCK_M (GEMM1 tiles, then GEMM2 tiles,
     then TMA for each), then the persistent grid's programs per SM; the fastest config (the
@@ -778,6 +793,8 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
 
     if case.incumbent is not None:
         trial(case.incumbent, "incumbent")
+    if case.heuristic is not None and case.heuristic != case.incumbent:
+        trial(case.heuristic, "heuristic")
     for block_m, g1s, g2s, group_m in regimes(case.num_tokens, num_experts, top_k, case.quant):
         base2 = _tiles(g2s[0], group_m)
         timed1 = [
@@ -1021,7 +1038,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     incumbents = {(n, t): incumbent_config(n, t, args.quant, device) for n in names for t in tokens_of[n]}
-    tasks = compile_tasks(names, tokens_of, args.quant, incumbents)
+    heuristics = {(n, t): heuristic_tiles(n, t, args.quant) for n in names for t in tokens_of[n]}
+    tasks = compile_tasks(names, tokens_of, args.quant,
+                          {bucket: [incumbents[bucket], heuristics[bucket]] for bucket in incumbents})
     failures = [] if args.no_precompile else precompile(tasks, args.jobs)
     print(f"precompiled {len(tasks)} tasks in {time.time() - start:.0f} s; {len(failures)} configs failed")
     for line in failures[:20]:
@@ -1046,7 +1065,8 @@ def main(argv: list[str] | None = None) -> int:
             if time.time() > deadline:
                 print(f"budget spent: {name} T={num_tokens} and later not tuned")
                 break
-            case = Case(name, w13, w2, num_tokens, fp8=fp8, incumbent=incumbents[name, num_tokens])
+            case = Case(name, w13, w2, num_tokens, fp8=fp8, incumbent=incumbents[name, num_tokens],
+                        heuristic=heuristics[name, num_tokens])
             best = tune_case(case, log, deadline)
             if best is None:
                 continue

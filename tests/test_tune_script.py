@@ -544,16 +544,20 @@ def test_the_incumbent_is_compiled_timed_and_can_win(monkeypatch):
     key = json.dumps(incumbent.to_json(), sort_keys=True)
     plan = {json.dumps(c.to_json(), sort_keys=True) for c in tune.candidate_plan(8192, 128, 8, "block")}
     assert key not in plan
-    tasks = tune.compile_tasks(["qwen3"], {"qwen3": (8192,)}, "block", {("qwen3", 8192): incumbent})
+    baselines = {("qwen3", 8192): [incumbent, incumbent]}
+    tasks = tune.compile_tasks(["qwen3"], {"qwen3": (8192,)}, "block", baselines)
     compiled = [json.dumps(c, sort_keys=True) for _, _, items, _ in tasks for c, _ in items]
     assert compiled.count(key) == 1 and len(compiled) == len(plan) + 1
     assert tune.incumbent_config("qwen3", 8192, "block", torch.device("cpu")).gemm2.block_k <= 128
+    assert tune.heuristic_tiles("qwen3", 8192, "block") == incumbent
+    assert tune.heuristic_tiles("qwen3", 8192, "per_tensor").gemm2.block_n == 256
+    assert tune.heuristic_tiles("qwen3", 8192, None).block_m == 128
 
     class Case:
         name, num_tokens, quant, fp8 = "qwen3", 8192, "block", object()
 
-        def __init__(self):
-            self.incumbent = incumbent
+        def __init__(self, heuristic=None):
+            self.incumbent, self.heuristic = incumbent, heuristic
 
         def check(self, cfg):
             return 0.0
@@ -567,6 +571,22 @@ def test_the_incumbent_is_compiled_timed_and_can_win(monkeypatch):
     monkeypatch.setattr(tune, "_timed", fake_timed)
     best, us = tune.tune_case(Case(), [], deadline=float("inf"))
     assert sweeps[0] == "incumbent" and best == incumbent and us == 100.0
+    # the heuristic is timed after the incumbent (once, when it is another config) and can win too:
+    # a bucket without an entry of its own runs a neighbour's tiles as its incumbent
+    neighbour = tune.replace(incumbent, block_m=64)
+    sweeps.clear()
+    key = json.dumps(incumbent.to_json(), sort_keys=True)
+
+    class Neighboured(Case):
+        def __init__(self):
+            super().__init__(heuristic=incumbent)
+            self.incumbent = neighbour
+
+    best, us = tune.tune_case(Neighboured(), [], deadline=float("inf"))
+    assert sweeps[:2] == ["incumbent", "heuristic"] and best == incumbent and us == 100.0
+    sweeps.clear()
+    tune.tune_case(Case(heuristic=incumbent), [], deadline=float("inf"))
+    assert sweeps.count("heuristic") == 0
 
 
 def test_keep_incumbent_within_the_replace_margin():
