@@ -27,7 +27,12 @@ How it searches (per model shape and token bucket T):
    256-column GEMM2 is in no list).
    The leaders (within CONFIRM_WINDOW of the fastest single timing) are then timed CONFIRM_ROUNDS
    more times, interleaved, and ranked by median (`confirm_ranking`); the incumbent stays unless
-   the winner is faster by more than REPLACE_MARGIN (`keep_incumbent`). Where the bucket replays
+   the winner is faster by more than REPLACE_MARGIN (`keep_incumbent`; --replace-margin). A
+   winner that replaces an incumbent whose tiles other buckets' padded steps also run (the
+   few-slot and small-batch tiles of the larger buckets, `dependents`) must leave the largest such
+   step of each kind (one valid row, SMALL_BATCH_TOKENS rows) within ONE_LAUNCH_TOLERANCE, timed
+   both ways in ONE_LAUNCH_ROUNDS interleaved rounds (`check_dependents`; the entry records them
+   as `dependents_us`), else the incumbent stays. Where the bucket replays
    padded decode steps through its own launches (few-slot path compiled in, T*K > FEW_SLOTS), the
    distinct candidates within ONE_LAUNCH_TOLERANCE of the fastest full batch are also timed with
    one valid row, and the fastest of those wins (`prefer_fast_padded_step`).
@@ -66,14 +71,21 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from safemoe.configs import ExpertsConfig, GemmTiles, device_file, shape_key, token_bucket  # noqa: E402
+from safemoe.configs import (  # noqa: E402
+    ExpertsConfig,
+    GemmTiles,
+    device_file,
+    load_device_configs,
+    shape_key,
+    token_bucket,
+)
 from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS  # noqa: E402
 
 # (E, K, H, I)
@@ -148,6 +160,8 @@ CONFIRM_ROUNDS = 3
 # Mixtral T = 8 re-tuned 751 -> 749 us (-0.3%) took the T = 1024 bucket's one-valid-row layer
 # step from 247 to 302 us (its merged launch runs those tiles with its own 8 warps).
 REPLACE_MARGIN = 0.01
+# Case.step's `few` default: the few-slot tiles the device table gives the config at its T.
+FROM_TABLE = "table"
 # fp8 weight modes (--quant) and the tiles' K-step limit of block mode (one 128-wide scale group).
 QUANT_MODES = ("per_tensor", "block")
 FP8_BLOCK_K = 128
@@ -375,6 +389,64 @@ def keep_incumbent(results: list[tuple[float, ExpertsConfig]], incumbent: Expert
     return [pick] + [r for r in results if r is not pick]
 
 
+class Dependent(NamedTuple):
+    """A padded step of a larger bucket that runs a source bucket's tiles: `bucket` (its T), its
+    table `config`, and `num_valid` (1: the few-slot path, SMALL_BATCH_TOKENS: the small tiles)."""
+
+    bucket: int
+    config: ExpertsConfig
+    num_valid: int
+
+
+def tiles_with(table: dict[int, ExpertsConfig], dependent: ExpertsConfig, num_tokens: int, top_k: int,
+               fallback: Callable[[int], ExpertsConfig]) -> tuple[ExpertsConfig | None, ExpertsConfig | None]:
+    """(small-batch tiles, few-slot tiles) a bucket of T tokens with config `dependent` runs by the
+    rules of `small_batch_config` and `few_slots_config`, read from `table` ({bucket: config};
+    `fallback(T)` where no bucket serves T: the heuristic)."""
+    from safemoe.configs import nearest_bucket
+    from safemoe.kernels.experts import few_slots_bucket
+
+    def lookup(tokens: int) -> ExpertsConfig:
+        bucket = nearest_bucket(tokens, table)
+        return table[bucket] if bucket is not None else fallback(tokens)
+
+    small = None
+    if num_tokens > SMALL_BATCH_TOKENS:
+        candidate = lookup(SMALL_BATCH_TOKENS)
+        small = candidate if candidate.block_m < dependent.block_m else None
+    few = None
+    if top_k <= FEW_SLOTS and dependent.few and num_tokens * top_k > FEW_SLOTS:
+        candidate = lookup(few_slots_bucket(top_k))
+        few = candidate if candidate.few else None
+    return small, few
+
+
+def dependents(bucket: int, top_k: int, sources: tuple[ExpertsConfig, ExpertsConfig],
+               table: dict[int, ExpertsConfig], fallback: Callable[[int], ExpertsConfig]) -> list[Dependent]:
+    """The padded steps whose tiles change when `bucket`'s entry goes from sources[0] to
+    sources[1]: of the table's buckets up to FEW_MAX_TOKENS above `bucket`, the largest whose
+    few-slot tiles (one valid row) and the largest whose small-batch tiles (SMALL_BATCH_TOKENS
+    rows) differ between the two (`tiles_with`). A few-slot or small-batch source bucket's tiles
+    run those steps with the larger bucket's launch (H100 2026-11-26: a Mixtral T = 8 re-tune,
+    -0.3% on its own, took T = 1024's one-row step from 247 to 302 us). `fallback(T)`: the tiles
+    of a T no bucket serves (the heuristic's)."""
+    found: dict[int, Dependent] = {}
+    for larger in sorted(b for b in table if bucket < b <= FEW_MAX_TOKENS):
+        old, new = (tiles_with({**table, bucket: source}, table[larger], larger, top_k, fallback)
+                    for source in sources)
+        if old[1] != new[1]:
+            found[ONE_LAUNCH_ONE_ROW] = Dependent(larger, table[larger], ONE_LAUNCH_ONE_ROW)
+        if old[0] != new[0]:
+            found[SMALL_BATCH_TOKENS] = Dependent(larger, table[larger], SMALL_BATCH_TOKENS)
+    return list(found.values())
+
+
+def dependents_allow(timings: dict[str, dict[str, float]], tolerance: float = ONE_LAUNCH_TOLERANCE) -> bool:
+    """True when no dependent padded step ({step: {"incumbent": us, "winner": us}}) gets slower by
+    more than `tolerance` with the winner's tiles."""
+    return all(t["winner"] <= t["incumbent"] * (1.0 + tolerance) for t in timings.values())
+
+
 def prefer_fast_padded_step(case: Case, results: list[tuple[float, ExpertsConfig]], log: list[dict[str, Any]],
                             limit: int = PADDED_PICK_CANDIDATES) -> list[tuple[float, ExpertsConfig]]:
     """`results` (sorted by full-batch us) with the candidate to keep first: a bucket whose graph
@@ -593,6 +665,7 @@ class Case:
     def __init__(
         self, name: str, w13: torch.Tensor, w2: torch.Tensor, num_tokens: int, seed: int = 0,
         fp8: Any = None, incumbent: ExpertsConfig | None = None, heuristic: ExpertsConfig | None = None,
+        replace_margin: float = REPLACE_MARGIN,
     ) -> None:
         from safemoe._checks import NumValid
         from safemoe.workspace import Workspace
@@ -605,6 +678,8 @@ class Case:
         self.quant: str | None = None if fp8 is None else fp8.mode
         self.incumbent = incumbent  # today's config of the bucket, timed among the candidates
         self.heuristic = heuristic  # the untuned tiles, timed too (the incumbent may be a neighbour's)
+        self.replace_margin = replace_margin
+        self.ranked: list[tuple[float, ExpertsConfig]] = []  # tune_case's final ranking
         self.xs = [
             torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
             for _ in range(N_VARIANTS)
@@ -631,10 +706,12 @@ class Case:
         stages: str = "all",
         small: ExpertsConfig | None = None,
         num_valid: int | None = None,
+        few: ExpertsConfig | str | None = FROM_TABLE,
     ) -> Callable[[int], None]:
         """One call on input set j: `stages` "all" is experts_triton with `cfg` (and `small` as its
-        small-batch tiles, None: none) at num_valid T or `num_valid`; else the stages up to and
-        including that one (dispatch, gemm1, gemm2), main tiles only (bf16 weights only)."""
+        small-batch tiles, None: none; `few` its few-slot tiles, by default those the device table
+        gives `cfg` at this T) at num_valid T or `num_valid`; else the stages up to and including
+        that one (dispatch, gemm1, gemm2), main tiles only (bf16 weights only)."""
         from safemoe.kernels.combine import combine_into
         from safemoe.kernels.dispatch import dispatch_into
         from safemoe.kernels.experts import experts_triton, gemm1_into, gemm2_into
@@ -644,6 +721,9 @@ class Case:
         nv = self.nvs[self.num_tokens if num_valid is None else num_valid]
         if stages != "all" and self.fp8 is not None:
             raise ValueError(f"stages={stages!r} times the bf16 kernels alone; this case has fp8 weights")
+        few_tiles = (few_slots_tiles(cfg, self.name, self.num_tokens, self.w13.device, self.quant)
+                     if few == FROM_TABLE else few)
+        assert few_tiles is None or isinstance(few_tiles, ExpertsConfig)
 
         def run(j: int) -> None:
             if stages == "all":
@@ -660,7 +740,7 @@ class Case:
                     out=self.outs[j],
                     config=cfg,
                     small_config=small,
-                    few_config=few_slots_tiles(cfg, self.name, self.num_tokens, self.w13.device, self.quant),
+                    few_config=few_tiles,
                     fp8=self.fp8,
                 )
                 return
@@ -705,6 +785,7 @@ class Case:
         est_us: float | None = None,
         small: ExpertsConfig | None = None,
         num_valid: int | None = None,
+        few: ExpertsConfig | str | None = FROM_TABLE,
     ) -> float:
         from safemoe.bench.harness import time_graph
 
@@ -712,7 +793,7 @@ class Case:
         calls = int(min(20, max(2, 20000 / est)))
         replays = int(min(20, max(3, 300000 / (est * calls))))
         return time_graph(
-            self.step(cfg, stages, small, num_valid),
+            self.step(cfg, stages, small, num_valid, few),
             n_variants=N_VARIANTS,
             calls_per_graph=calls,
             replays=replays,
@@ -830,7 +911,8 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         # among near-equal full batches the one-row padded step decides (the incumbent competes)
         results = prefer_fast_padded_step(case, results, log)
     else:
-        results = keep_incumbent(results, case.incumbent)
+        results = keep_incumbent(results, case.incumbent, case.replace_margin)
+    case.ranked = results
     tolerance = CHECK_TOLERANCE if case.fp8 is None else FP8_CHECK_TOLERANCE
     for us, cfg in results[:3]:
         error = case.check(cfg)
@@ -851,6 +933,7 @@ def _timed(
     est: float | None,
     small: ExpertsConfig | None = None,
     num_valid: int | None = None,
+    few: ExpertsConfig | str | None = FROM_TABLE,
 ) -> float | None:
     entry: dict[str, Any] = {
         "shape": case.name,
@@ -862,13 +945,82 @@ def _timed(
         entry["small"] = small.to_json()
     if num_valid is not None:
         entry["num_valid"] = num_valid
+    extra: dict[str, Any] = {}
+    if few != FROM_TABLE:
+        extra["few"] = few
+        entry["few"] = few.to_json() if isinstance(few, ExpertsConfig) else None
     try:
-        entry["us"] = round(case.time(cfg, est_us=est, small=small, num_valid=num_valid), 3)
+        entry["us"] = round(case.time(cfg, est_us=est, small=small, num_valid=num_valid, **extra), 3)
     except Exception as exc:
         entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         torch.cuda.synchronize()
     log.append(entry)
     return entry.get("us")
+
+
+def _same(a: ExpertsConfig, b: ExpertsConfig) -> bool:
+    return json.dumps(a.to_json(), sort_keys=True) == json.dumps(b.to_json(), sort_keys=True)
+
+
+def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case, cfg: ExpertsConfig,
+                     us: float, table: dict[int, ExpertsConfig], log: list[dict[str, Any]],
+                     deadline: float) -> tuple[ExpertsConfig, float, dict[str, dict[str, float]] | None]:
+    """(config, us, dependent timings) to write for case's bucket: the winner `cfg`, unless it
+    replaces an incumbent whose tiles other buckets' padded steps also run (`dependents`) and one
+    of those steps gets slower with it by more than ONE_LAUNCH_TOLERANCE, or cannot be timed: then
+    the incumbent, with its own time from the bucket's ranking."""
+    incumbent = case.incumbent
+    if incumbent is None or _same(cfg, incumbent):
+        return cfg, us, None
+    _, top_k, _, _ = SHAPES[name]
+    bucket = token_bucket(case.num_tokens)
+
+    def fallback(tokens: int) -> ExpertsConfig:
+        return heuristic_tiles(name, tokens, None)
+
+    found = dependents(bucket, top_k, (incumbent, cfg), table, fallback)
+    if not found:
+        return cfg, us, None
+    timings = time_dependents(name, w13, w2, bucket, (incumbent, cfg), found, table, fallback, log, deadline)
+    if timings is not None and dependents_allow(timings):
+        return cfg, us, timings
+    incumbent_us = next((t for t, c in case.ranked if _same(c, incumbent)), None)
+    if incumbent_us is None:
+        return cfg, us, timings
+    print(f"  {name} T={case.num_tokens}: the incumbent stays, a padded step it serves got slower with "
+          f"the winner: {timings}", flush=True)
+    return incumbent, incumbent_us, timings
+
+
+def time_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int,
+                    sources: tuple[ExpertsConfig, ExpertsConfig], found: list[Dependent],
+                    table: dict[int, ExpertsConfig], fallback: Callable[[int], ExpertsConfig],
+                    log: list[dict[str, Any]], deadline: float) -> dict[str, dict[str, float]] | None:
+    """{step: {"incumbent": us, "winner": us}}: each dependent padded step timed with `bucket`'s
+    entry as sources[0] (the incumbent) and sources[1] (the winner), ONE_LAUNCH_ROUNDS interleaved
+    rounds, medians; None when the budget runs out or a timing fails."""
+    _, top_k, _, _ = SHAPES[name]
+    result: dict[str, dict[str, float]] = {}
+    for dep in found:
+        case = Case(name, w13, w2, dep.bucket)
+        est = estimate_us(name, dep.num_valid)
+        tiles = [tiles_with({**table, bucket: source}, dep.config, dep.bucket, top_k, fallback)
+                 for source in sources]
+        times: dict[str, list[float]] = {"incumbent": [], "winner": []}
+        for _ in range(ONE_LAUNCH_ROUNDS):
+            for side, (small, few) in zip(times, tiles, strict=True):
+                if time.time() > deadline:
+                    return None
+                us = _timed(case, dep.config, log, f"dependent_{side}", est, small=small,
+                            num_valid=dep.num_valid, few=few)
+                if us is None:
+                    return None
+                times[side].append(us)
+        result[f"T={dep.bucket} num_valid={dep.num_valid}"] = {
+            side: round(statistics.median(v), 2) for side, v in times.items()
+        }
+        del case
+    return result
 
 
 def decide_one_launch(
@@ -1010,6 +1162,11 @@ def main(argv: list[str] | None = None) -> int:
         help="re-decide one_launch of the device table's entries (--tokens: those buckets), tiles kept",
     )
     parser.add_argument(
+        "--replace-margin", type=float, default=REPLACE_MARGIN,
+        help=f"a winner replaces a bucket's incumbent only when faster by more than this fraction "
+        f"(default {REPLACE_MARGIN})",
+    )
+    parser.add_argument(
         "--quant", choices=QUANT_MODES, default=None,
         help="tune for fp8 weights of this mode (the shapes' _fp8-{quant} keys; one_launch not timed)",
     )
@@ -1049,6 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     device_name = torch.cuda.get_device_name(device)
+    table_entries = load_device_configs(device_name)  # the table as it was before this run
     deadline = time.time() + args.budget_s
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
@@ -1066,13 +1224,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"budget spent: {name} T={num_tokens} and later not tuned")
                 break
             case = Case(name, w13, w2, num_tokens, fp8=fp8, incumbent=incumbents[name, num_tokens],
-                        heuristic=heuristics[name, num_tokens])
+                        heuristic=heuristics[name, num_tokens], replace_margin=args.replace_margin)
             best = tune_case(case, log, deadline)
             if best is None:
                 continue
             cfg, us = best
+            checked = None
+            if fp8 is None:
+                cfg, us, checked = check_dependents(name, w13, w2, case, cfg, us, table_entries.get(key, {}),
+                                                    log, deadline)
             data = cfg.to_json()
             data["us"] = round(us, 2)
+            if checked is not None:
+                data["dependents_us"] = checked
             winners.setdefault(key, {})[str(token_bucket(num_tokens))] = data
             tuned[token_bucket(num_tokens)] = replace(cfg, extra={"us": us})
             print(f"{name:9s} T={num_tokens:6d} {us:10.1f} us  {json.dumps(cfg.to_json())}", flush=True)

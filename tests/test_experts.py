@@ -318,6 +318,19 @@ def test_experts_config_rejects_bad_fields() -> None:
     assert ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, one_launch=True).to_json()).one_launch
 
 
+def test_nearest_bucket_serves_within_one_octave() -> None:
+    """A tuned table serves T from the nearest bucket to T's within one octave (ties to the
+    smaller), else the heuristic does: the fp8 table of 2026-11-26 served T = 2048 with T = 1024's
+    tiles and T = 4096 with T = 8192's until those buckets were tuned."""
+    from safemoe.configs import nearest_bucket
+
+    table = (1, 8, 64, 256, 1024, 8192)
+    tokens = (1, 2, 3, 4, 5, 8, 100, 128, 2000, 2048, 4096, 16384, 40000)
+    assert [nearest_bucket(t, table) for t in tokens] == [
+        1, 1, 8, 8, 8, 8, 64, 64, 1024, 1024, 8192, 8192, None]
+    assert nearest_bucket(512, (8, 8192)) is None and nearest_bucket(8, ()) is None
+
+
 def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:
     """Main and small-batch tiles for T = 24, H = 48, I = 40 that differ in every constexpr
     (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA on one side only): block_k 16 divides H (EVEN_K), 32 does

@@ -322,6 +322,14 @@ def test_case_step_passes_small_tiles_and_padded_num_valid(monkeypatch):
             out = case.outs[0].float()
             assert float((out[:rows] - ref).norm() / ref.norm()) < 2e-2, (merged, num_valid)
             assert bool((out[rows:] == 0).all()), (merged, num_valid)
+    # the few-slot tiles as given (what the dependent padded steps time): none, or other tiles
+    ref = experts_reference(case.xs[0][:1], w13, w2, case.weights[0][:1], case.ids[0][:1], activation="silu")
+    for few in (None, ExpertsConfig(16, GemmTiles(64, 32, 1, 4, 1), GemmTiles(16, 64, 1, 4, 1))):
+        case.outs[0].fill_(float("nan"))
+        case.step(cfg, "all", small, 1, few)(0)
+        out = case.outs[0].float()
+        assert float((out[:1] - ref.float()).norm() / ref.float().norm()) < 2e-2, few
+        assert bool((out[1:] == 0).all()), few
 
 
 def _fake_gpu(monkeypatch, tmp_path, tune):
@@ -555,6 +563,7 @@ def test_the_incumbent_is_compiled_timed_and_can_win(monkeypatch):
 
     class Case:
         name, num_tokens, quant, fp8 = "qwen3", 8192, "block", object()
+        replace_margin = tune.REPLACE_MARGIN
 
         def __init__(self, heuristic=None):
             self.incumbent, self.heuristic = incumbent, heuristic
@@ -605,3 +614,94 @@ def test_keep_incumbent_within_the_replace_margin():
     # an equal config built anew (another object, extra fields) is the incumbent too
     same = tune.replace(incumbent, extra={"us": 1.0})
     assert tune.keep_incumbent([(748.7, rival), (750.0, same)], incumbent)[0][1] is same
+
+
+def _decode_cfg(gemm2_n: int, few: bool = True) -> ExpertsConfig:
+    return ExpertsConfig(16, GemmTiles(32, 256, 1, 4, 4), GemmTiles(gemm2_n, 256, 1, 4, 4), pdl=True, few=few)
+
+
+def test_dependents_are_the_padded_steps_a_source_bucket_serves():
+    """Mixtral (K = 2): the T = 8 entry is both the few-slot tiles (few_slots_bucket(2) = 8) and the
+    small-batch tiles of every larger bucket, so re-tuning it changes T = 1024's one-row step and
+    its 8-row step; Qwen3 (K = 8): the T = 2 entry the few-slot tiles only; DeepSeek-V3's table has
+    no T = 2, so its T = 1 entry serves that role (nearest within an octave)."""
+    tune = _load()
+
+    def fallback(tokens):
+        raise AssertionError(f"every T here has a tuned bucket, asked for {tokens}")
+
+    old, new = _decode_cfg(64), _decode_cfg(16)
+    mid, big = _cfg(32, few=True), _cfg(128, few=True)
+    table = {1: _decode_cfg(32), 8: old, 64: mid, 1024: big}
+    found = tune.dependents(8, 2, (old, new), table, fallback)
+    assert sorted((d.bucket, d.num_valid) for d in found) == [(1024, 1), (1024, tune.SMALL_BATCH_TOKENS)]
+    assert all(d.config is big for d in found)
+    small, few = tune.tiles_with({**table, 8: new}, big, 1024, 2, fallback)
+    assert small is new and few is new
+    # T = 1024 turned the few-slot path off: its small-batch step, and T = 64's one-row step, depend
+    table_off = {**table, 1024: tune.replace(big, few=False)}
+    found = tune.dependents(8, 2, (old, new), table_off, fallback)
+    assert sorted((d.bucket, d.num_valid) for d in found) == [(64, 1), (1024, tune.SMALL_BATCH_TOKENS)]
+    assert tune.tiles_with(table_off, table_off[1024], 1024, 2, fallback)[1] is None
+    # a winner that turns the few-slot path off changes the few-slot step too (tiles -> none)
+    off = tune.dependents(8, 2, (old, _decode_cfg(64, few=False)), table, fallback)
+    assert (1024, 1) in [(d.bucket, d.num_valid) for d in off]
+    # Qwen3: T = 2 serves the few-slot tiles, T = 8 the small ones
+    qwen = {1: _decode_cfg(32), 2: old, 8: _decode_cfg(128), 64: mid, 1024: big}
+    assert [(d.bucket, d.num_valid) for d in tune.dependents(2, 8, (old, new), qwen, fallback)] == [(1024, 1)]
+    assert [(d.bucket, d.num_valid) for d in tune.dependents(8, 8, (qwen[8], new), qwen, fallback)] == [
+        (1024, tune.SMALL_BATCH_TOKENS)]
+    assert tune.dependents(64, 8, (mid, _cfg(64)), qwen, fallback) == []
+    # DeepSeek-V3: no T = 2 entry, T = 1 serves it
+    deepseek = {1: old, 8: _decode_cfg(128), 64: mid, 1024: big}
+    found = tune.dependents(1, 8, (old, new), deepseek, fallback)
+    assert [(d.bucket, d.num_valid) for d in found] == [(1024, 1)]
+    # nothing changes, nothing depends
+    assert tune.dependents(8, 2, (old, old), table, fallback) == []
+
+
+def test_check_dependents_keeps_the_incumbent_when_a_served_step_slows(monkeypatch):
+    import torch
+
+    tune = _load()
+    monkeypatch.setitem(tune.SHAPES, "tiny", (8, 2, 64, 32))  # (E, K, H, I)
+    old, new = _decode_cfg(64), _decode_cfg(16)
+    table = {1: _decode_cfg(32), 8: old, 64: _cfg(32), 1024: _cfg(128)}
+
+    class Case:
+        name, num_tokens, incumbent = "tiny", 8, old
+
+        def __init__(self):
+            self.ranked = [(748.7, new), (751.3, old)]
+
+    step = "T=1024 num_valid=1"
+    slower = {step: {"incumbent": 247.4, "winner": 302.5}}
+    same = {step: {"incumbent": 247.4, "winner": 248.0}}
+    calls = []
+
+    def fake_time(name, w13, w2, bucket, sources, found, table_, fallback, log, deadline):
+        calls.append((bucket, sources, sorted((d.bucket, d.num_valid) for d in found)))
+        return result
+
+    monkeypatch.setattr(tune, "time_dependents", fake_time)
+    w = torch.zeros(1)
+
+    def check(case, cfg, us):
+        return tune.check_dependents("tiny", w, w, case, cfg, us, table, [], float("inf"))
+
+    result = slower
+    assert check(Case(), new, 748.7) == (old, 751.3, slower)
+    assert calls[-1][:2] == (8, (old, new))
+    result = same
+    assert check(Case(), new, 748.7) == (new, 748.7, same)
+    result = None  # out of budget: not verified, the incumbent stays
+    assert check(Case(), new, 748.7)[:2] == (old, 751.3)
+    calls.clear()
+    # the winner is the incumbent, or nothing depends on the bucket: no timing at all
+    assert check(Case(), old, 751.3) == (old, 751.3, None)
+    case64 = Case()
+    case64.num_tokens, case64.incumbent = 64, table[64]
+    assert check(case64, _cfg(64), 900.0) == (_cfg(64), 900.0, None)
+    assert calls == []
+    assert tune.dependents_allow({"a": {"incumbent": 100.0, "winner": 101.0}})
+    assert not tune.dependents_allow({"a": {"incumbent": 100.0, "winner": 101.1}})

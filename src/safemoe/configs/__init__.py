@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -275,20 +276,27 @@ def limit_block_k(cfg: ExpertsConfig, max_block_k: int) -> ExpertsConfig:
     )
 
 
+def nearest_bucket(num_tokens: int, buckets: Iterable[int]) -> int | None:
+    """The tuned bucket whose entry serves T tokens: the nearest to T's bucket within one octave
+    (ties to the smaller), None when there is none (the heuristic then serves T). Further away the
+    tiles of another regime (decode vs prefill) would be used, which the heuristic beats."""
+    bucket = token_bucket(num_tokens)
+    octaves = {b: abs(b.bit_length() - bucket.bit_length()) for b in buckets}
+    if not octaves:
+        return None
+    chosen = min(octaves, key=lambda b: (octaves[b], b))
+    return chosen if octaves[chosen] <= 1 else None
+
+
 def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                    dtype: torch.dtype, device: torch.device, quant: str | None) -> ExpertsConfig:
     if device.type != "cuda":
         return interpreter_config(num_tokens, num_experts, top_k)
     table = load_device_configs(torch.cuda.get_device_name(device))
     buckets = table.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant))
-    if buckets:
-        bucket = token_bucket(num_tokens)
-        # Nearest tuned bucket within one octave (ties to the smaller); further away the tiles
-        # of another regime (decode vs prefill) would be used, which the heuristic beats.
-        octaves = {b: abs(b.bit_length() - bucket.bit_length()) for b in buckets}
-        chosen = min(buckets, key=lambda b: (octaves[b], b))
-        if octaves[chosen] <= 1:
-            return buckets[chosen]
+    chosen = nearest_bucket(num_tokens, buckets or {})
+    if buckets and chosen is not None:
+        return buckets[chosen]
     if quant is not None:
         return heuristic_fp8_config(num_tokens, num_experts, hidden, inter, top_k, quant)
     return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)
