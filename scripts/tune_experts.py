@@ -87,6 +87,7 @@ from safemoe.configs import (  # noqa: E402
     token_bucket,
 )
 from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS  # noqa: E402
+from safemoe.numerics import FP8_BLOCK  # noqa: E402
 
 # (E, K, H, I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -164,7 +165,7 @@ REPLACE_MARGIN = 0.01
 FROM_TABLE = "table"
 # fp8 weight modes (--quant) and the tiles' K-step limit of block mode (one 128-wide scale group).
 QUANT_MODES = ("per_tensor", "block")
-FP8_BLOCK_K = 128
+FP8_BLOCK_K = FP8_BLOCK
 # A winner's relative Frobenius error against the reference, above which it is rejected: bf16
 # against experts_reference; fp8 against experts_fp8_reference, where a one-row batch's
 # re-quantised intermediate alone reaches 4.5e-2 (tests/test_experts_fp8.py's measured spread), so
@@ -356,22 +357,21 @@ def confirm_ranking(results: list[tuple[float, ExpertsConfig]],
     timing, left out), round-robin so drift hits each alike, and carry the median of all their
     timings; the others keep theirs. Sorted by us again."""
     fastest = results[0][0]
-    leaders: dict[str, tuple[ExpertsConfig, list[float]]] = {}
+    leaders: dict[ExpertsConfig, list[float]] = {}  # configs compare by their fields, not `extra`
     for us, cfg in results:
-        key = json.dumps(cfg.to_json(), sort_keys=True)
-        if key in leaders:
-            leaders[key][1].append(us)
+        if cfg in leaders:
+            leaders[cfg].append(us)
         elif us <= fastest * (1.0 + window) and len(leaders) < limit:
-            leaders[key] = (cfg, [us])
+            leaders[cfg] = [us]
     if len(leaders) < 2:
         return results
     for _ in range(rounds):
-        for cfg, times in leaders.values():
+        for cfg, times in leaders.items():
             us = retime(cfg)
             if us is not None:
                 times.append(us)
-    ranked = [(statistics.median(times), cfg) for cfg, times in leaders.values()]
-    ranked += [(us, cfg) for us, cfg in results if json.dumps(cfg.to_json(), sort_keys=True) not in leaders]
+    ranked = [(statistics.median(times), cfg) for cfg, times in leaders.items()]
+    ranked += [(us, cfg) for us, cfg in results if cfg not in leaders]
     return sorted(ranked, key=lambda r: r[0])
 
 
@@ -381,8 +381,7 @@ def keep_incumbent(results: list[tuple[float, ExpertsConfig]], incumbent: Expert
     fraction) of the fastest; unchanged otherwise."""
     if incumbent is None:
         return results
-    key = json.dumps(incumbent.to_json(), sort_keys=True)
-    mine = [r for r in results if json.dumps(r[1].to_json(), sort_keys=True) == key]
+    mine = [r for r in results if r[1] == incumbent]
     if not mine or min(us for us, _ in mine) > results[0][0] * (1.0 + margin):
         return results
     pick = min(mine, key=lambda r: r[0])
@@ -459,12 +458,11 @@ def prefer_fast_padded_step(case: Case, results: list[tuple[float, ExpertsConfig
     made the layer's padded step 1.42x T = 1 (48.4 / 34.0 us)."""
     fastest = results[0][0]
     close: list[tuple[float, ExpertsConfig]] = []
-    seen: set[str] = set()
+    seen: set[ExpertsConfig] = set()
     for result in results:
         us, cfg = result
-        key = json.dumps(cfg.to_json(), sort_keys=True)
-        if us <= fastest * (1.0 + ONE_LAUNCH_TOLERANCE) and key not in seen:
-            seen.add(key)
+        if us <= fastest * (1.0 + ONE_LAUNCH_TOLERANCE) and cfg not in seen:
+            seen.add(cfg)
             close.append(result)
     close = close[:limit]
     if len(close) < 2:
@@ -526,19 +524,14 @@ def stand_in_fp8(num_experts: int, hidden: int, inter: int, quant: str,
     """(w13, w2, Fp8Weights) of the real shapes and scale shapes, each weight one zero broadcast
     (strides 0, nothing worth reading): what the precompile workers compile fp8 kernels against.
     The scales are built as Fp8Weights directly: `check_fp8_weights` wants contiguous weights."""
-    from safemoe._checks import Fp8Weights
-    from safemoe.reference import FP8_BLOCK, FP8_DTYPE
+    from safemoe._checks import Fp8Weights, fp8_scale_shapes
+    from safemoe.numerics import FP8_DTYPE
 
     one = torch.zeros(1, dtype=FP8_DTYPE, device=device)
     w13 = one.expand(num_experts, 2 * inter, hidden)
     w2 = one.expand(num_experts, hidden, inter)
-    if quant == "block":
-        h_blocks, i_blocks = (hidden + FP8_BLOCK - 1) // FP8_BLOCK, (inter + FP8_BLOCK - 1) // FP8_BLOCK
-        s13 = torch.ones(num_experts, (2 * inter + FP8_BLOCK - 1) // FP8_BLOCK, h_blocks, device=device)
-        s2 = torch.ones(num_experts, h_blocks, i_blocks, device=device)
-    else:
-        s13 = torch.ones(num_experts, device=device)
-        s2 = torch.ones(num_experts, device=device)
+    shapes = fp8_scale_shapes(num_experts, hidden, inter, quant)
+    s13, s2 = (torch.ones(shape, device=device) for shape in shapes)
     return w13, w2, Fp8Weights(quant, s13, s2)
 
 
@@ -616,14 +609,13 @@ def compile_tasks(names: list[str], tokens_of: dict[str, tuple[int, ...]], quant
     tasks = []
     for name in names:
         num_experts, top_k, _, _ = SHAPES[name]
-        seen: set[str] = set()
+        seen: set[ExpertsConfig] = set()
         for num_tokens in tokens_of[name]:
             fresh: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
             extra = (baselines or {}).get((name, num_tokens), [])
             for cfg in [*extra, *candidate_plan(num_tokens, num_experts, top_k, quant)]:
-                key = json.dumps(cfg.to_json(), sort_keys=True)
-                if key not in seen:
-                    seen.add(key)
+                if cfg not in seen:
+                    seen.add(cfg)
                     fresh.append((cfg.to_json(), None))
             for i in range(0, len(fresh), 3):
                 tasks.append((name, num_tokens, fresh[i : i + 3], quant))
@@ -958,10 +950,6 @@ def _timed(
     return entry.get("us")
 
 
-def _same(a: ExpertsConfig, b: ExpertsConfig) -> bool:
-    return json.dumps(a.to_json(), sort_keys=True) == json.dumps(b.to_json(), sort_keys=True)
-
-
 def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case, cfg: ExpertsConfig,
                      us: float, table: dict[int, ExpertsConfig], log: list[dict[str, Any]],
                      deadline: float) -> tuple[ExpertsConfig, float, dict[str, dict[str, float]] | None]:
@@ -970,7 +958,7 @@ def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case,
     of those steps gets slower with it by more than ONE_LAUNCH_TOLERANCE, or cannot be timed: then
     the incumbent, with its own time from the bucket's ranking."""
     incumbent = case.incumbent
-    if incumbent is None or _same(cfg, incumbent):
+    if incumbent is None or cfg == incumbent:
         return cfg, us, None
     _, top_k, _, _ = SHAPES[name]
     bucket = token_bucket(case.num_tokens)
@@ -984,7 +972,7 @@ def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case,
     timings = time_dependents(name, w13, w2, bucket, (incumbent, cfg), found, table, fallback, log, deadline)
     if timings is not None and dependents_allow(timings):
         return cfg, us, timings
-    incumbent_us = next((t for t, c in case.ranked if _same(c, incumbent)), None)
+    incumbent_us = next((t for t, c in case.ranked if c == incumbent), None)
     if incumbent_us is None:
         return cfg, us, timings
     print(f"  {name} T={case.num_tokens}: the incumbent stays, a padded step it serves got slower with "

@@ -53,7 +53,7 @@ from helpers import (
     interpreter_only,
     poisoned,
 )
-from safemoe._checks import NumValid, check_fp8_weights, check_num_valid
+from safemoe._checks import NumValid, check_fp8_weights, check_num_valid, fp8_scale_shapes
 from safemoe.configs import ExpertsConfig, GemmTiles
 from safemoe.fp8 import _quantize_stack, dequantize_experts, quantize_experts
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
@@ -606,6 +606,7 @@ def test_quantize_experts_round_trip(mode: str) -> None:
     assert q13.dtype == q2.dtype == FP8_DTYPE and s13.dtype == s2.dtype == torch.float32
     expected = {"per_tensor": ((3,), (3,)), "block": ((3, 3, 2), (3, 2, 2))}[mode]
     assert (tuple(s13.shape), tuple(s2.shape)) == expected
+    assert fp8_scale_shapes(3, 200, 136, mode) == expected  # what the tuner's stand-ins are built with
     d13, d2 = dequantize_experts(q13, q2, s13, s2, torch.float32)
     for original, deq, scale in ((w13.bfloat16().float(), d13, s13), (w2.bfloat16().float(), d2, s2)):
         # half a step: 2^-4 relative for normal e4m3 values, 2^-10 x scale in the subnormal range
@@ -627,6 +628,8 @@ def test_quantize_experts_errors() -> None:
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 16, 4)
     with pytest.raises(ValueError, match="mode"):
         quantize_experts(w13, w2, "per_channel")
+    with pytest.raises(ValueError, match="mode must be 'per_tensor' or 'block', got 'per_channel'"):
+        fp8_scale_shapes(2, 16, 4, "per_channel")
     with pytest.raises(ValueError, match="w2"):
         quantize_experts(w13, torch.randn(2, 4, 16))
     bad = w13.clone()

@@ -232,6 +232,23 @@ def wants_fp8(w13: object, w2: object, w13_scale: object, w2_scale: object) -> b
     return _is_fp8(w13) or _is_fp8(w2) or w13_scale is not None or w2_scale is not None
 
 
+def _blocks(n: int) -> int:
+    return -(-n // FP8_BLOCK)
+
+
+def fp8_scale_shapes(num_experts: int, hidden: int, inter: int,
+                     mode: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(w13_scale, w2_scale) shapes of fp8 experts in `mode` as `quantize_experts` makes them:
+    per_tensor ([E], [E]); block ([E, ceil(2I/128), ceil(H/128)], [E, ceil(H/128), ceil(I/128)]).
+    `check_fp8_weights` also accepts per-tensor [E, 2] and block gate/up quantised apart."""
+    if mode == "per_tensor":
+        return (num_experts,), (num_experts,)
+    if mode == "block":
+        return ((num_experts, _blocks(2 * inter), _blocks(hidden)),
+                (num_experts, _blocks(hidden), _blocks(inter)))
+    raise ValueError(f"mode must be 'per_tensor' or 'block', got {mode!r}")
+
+
 def check_fp8_weights(w13: object, w2: object, w13_scale: object, w2_scale: object) -> Fp8Weights:
     """Validate fp8 weights and their scales; the mode follows from the scale shapes."""
     for name, w in (("w13", w13), ("w2", w2)):
@@ -271,16 +288,13 @@ def check_fp8_weights(w13: object, w2: object, w13_scale: object, w2_scale: obje
     for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         check_contiguous(name, t)
 
-    def blocks(n: int) -> int:
-        return -(-n // FP8_BLOCK)
-
     Shapes = list[tuple[int, ...]]
-    per_tensor_shapes: dict[str, Shapes] = {"w13_scale": [(num_experts,), (num_experts, 2)],
-                                            "w2_scale": [(num_experts,)]}
-    stacked = (num_experts, blocks(two_inter), blocks(hidden))
-    split = (num_experts, 2 * blocks(inter), blocks(hidden))
-    block_shapes: dict[str, Shapes] = {"w13_scale": [stacked, split],
-                                       "w2_scale": [(num_experts, blocks(hidden), blocks(inter))]}
+    per_tensor_13, per_tensor_2 = fp8_scale_shapes(num_experts, hidden, inter, "per_tensor")
+    per_tensor_shapes: dict[str, Shapes] = {"w13_scale": [per_tensor_13, (num_experts, 2)],
+                                            "w2_scale": [per_tensor_2]}
+    stacked, block_2 = fp8_scale_shapes(num_experts, hidden, inter, "block")
+    split = (num_experts, 2 * _blocks(inter), _blocks(hidden))
+    block_shapes: dict[str, Shapes] = {"w13_scale": [stacked, split], "w2_scale": [block_2]}
     modes = []
     for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         shape = tuple(scale.shape)

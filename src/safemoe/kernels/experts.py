@@ -40,6 +40,7 @@ swigluoai min(g,7)*sigmoid(1.702*min(g,7))*(clamp(u,-7,7)+1) on the same gate-th
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -1012,9 +1013,20 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
     for 1024 rows then replays a decode step with decode tiles instead of prefill tiles. Between
     two decode configs the switch stays off: its two extra (empty) launches cost ~2% at T = 64 on
     the Qwen3 shape (H200, run 2)."""
+    def source() -> ExpertsConfig:
+        return get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
+
+    return small_tiles_from(num_tokens, cfg, source)
+
+
+def small_tiles_from(num_tokens: int, cfg: ExpertsConfig,
+                     source: Callable[[], ExpertsConfig]) -> ExpertsConfig | None:
+    """`small_batch_config`'s rule with the config serving SMALL_BATCH_TOKENS tokens from
+    `source()` (called only when needed): that config when T > SMALL_BATCH_TOKENS and its BLOCK_M
+    is below cfg's, else None. scripts/tune_experts.py applies it to a table it edits."""
     if num_tokens <= SMALL_BATCH_TOKENS:
         return None
-    small = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
+    small = source()
     return small if small.block_m < cfg.block_m else None
 
 
@@ -1031,11 +1043,21 @@ def few_slots_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     when it is off: K > FEW_SLOTS, or `cfg.few` is False (a tuned per-bucket choice). A bucket
     that always takes it (T*K <= FEW_SLOTS) runs its own tiles; a larger one those of
     `few_slots_bucket(K)` tokens."""
+    def source() -> ExpertsConfig:
+        return get_config(few_slots_bucket(top_k), num_experts, hidden, inter, top_k, dtype, device)
+
+    return few_tiles_from(num_tokens, top_k, cfg, source)
+
+
+def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig,
+                   source: Callable[[], ExpertsConfig]) -> ExpertsConfig | None:
+    """`few_slots_config`'s rule with the config serving `few_slots_bucket(K)` tokens from
+    `source()` (called only when needed). scripts/tune_experts.py applies it to a table it edits."""
     if top_k > FEW_SLOTS or not cfg.few:
         return None
     if num_tokens * top_k <= FEW_SLOTS:
         return cfg
-    few = get_config(few_slots_bucket(top_k), num_experts, hidden, inter, top_k, dtype, device)
+    few = source()
     return few if few.few else None
 
 
