@@ -149,9 +149,10 @@ PADDED_PICK_CANDIDATES = 4
 # After the search, the distinct candidates within CONFIRM_WINDOW of the fastest single timing (at
 # most CONFIRM_CANDIDATES) are timed CONFIRM_ROUNDS more times, interleaved, and ranked by the
 # median of all their timings (`confirm_ranking`), so one disturbed timing cannot pick the
-# winner. Measured since (H100 2026-11-26, T = 1 of four shapes): re-timings of one config inside
-# a run agree within 0.1-0.3%, while leaders sit 0.1-2% apart, and the same tiles timed on
-# different days moved ~1% (gpt-oss T = 1: 79.4 us on 11-24, 78.5 on 11-26).
+# winner. Measured since (H100 2026-11-26, T = 1 of four shapes, 16 leaders x 4 timings): 15
+# leaders' timings agreed within 0.5%, one had a sample 1.3% off (gpt-oss: 78.11 against
+# 77.07-77.10 us), which the median discards; leaders sat 0.1-2% apart, and the same tiles timed
+# on different days moved ~1% (gpt-oss T = 1: 79.4 us on 11-24, 78.5 on 11-26).
 CONFIRM_WINDOW = 0.04
 CONFIRM_CANDIDATES = 4
 CONFIRM_ROUNDS = 3

@@ -329,6 +329,11 @@ def test_nearest_bucket_serves_within_one_octave() -> None:
     assert [nearest_bucket(t, table) for t in tokens] == [
         1, 1, 8, 8, 8, 8, 64, 64, 1024, 1024, 8192, 8192, None]
     assert nearest_bucket(512, (8, 8192)) is None and nearest_bucket(8, ()) is None
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="num_tokens must be an int >= 1"):
+            nearest_bucket(bad, table)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"powers of two >= 1 \(token buckets\), got \[24, 0\]"):
+        nearest_bucket(8, (8, 24, 0))
 
 
 def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:

@@ -54,8 +54,12 @@ def main() -> None:
     device = torch.device("cuda")
     key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
     table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
+    other_entries = json.loads(args.other_table.read_text()).get("configs", {}).get(key, {})
+    sides = (("this device's table", table.get(key, {})), (str(args.other_table), other_entries))
+    for where, entries in sides:
+        if args.bucket not in entries and str(args.bucket) not in entries:
+            raise SystemExit(f"{where} has no entry {key} T = {args.bucket}: A/B two entries that exist")
     ours = table[key][args.bucket]
-    other_entries = json.loads(args.other_table.read_text())["configs"][key]
     other = ExpertsConfig.from_json(other_entries[str(args.bucket)])
 
     gen = torch.Generator(device=device).manual_seed(0)

@@ -280,6 +280,12 @@ def nearest_bucket(num_tokens: int, buckets: Iterable[int]) -> int | None:
     """The tuned bucket whose entry serves T tokens: the nearest to T's bucket within one octave
     (ties to the smaller), None when there is none (the heuristic then serves T). Further away the
     tiles of another regime (decode vs prefill) would be used, which the heuristic beats."""
+    if isinstance(num_tokens, (bool, float)) or int(num_tokens) < 1:  # int(): also torch's SymInt
+        raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+    buckets = list(buckets)
+    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1)]
+    if bad:
+        raise ValueError(f"buckets must be powers of two >= 1 (token buckets), got {bad}")
     bucket = token_bucket(num_tokens)
     octaves = {b: abs(b.bit_length() - bucket.bit_length()) for b in buckets}
     if not octaves:
