@@ -488,6 +488,90 @@ def test_few_slot_path_in_a_large_batch(one_launch: bool) -> None:
             assert_equal(out[rows], alone, what=f"num_valid={num_valid}: in T=24 vs a batch of {num_valid}")
 
 
+def _spy_fused_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of the fused few-slot launcher (kernels/experts.py few_gemms_into)."""
+    import safemoe.kernels.experts as experts_module
+
+    calls: list[int] = []
+    real = experts_module.few_gemms_into
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experts_module, "few_gemms_into", counted)
+    return calls
+
+
+@pytest.mark.memcheck
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 8), (2, 8), (4, 4), (1, 16), (3, 5)])
+def test_fused_few_gemms_bitwise_as_two_launches(device: str, num_tokens: int, top_k: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fused` on a bucket whose every call takes the few-slot path: GEMM1 and GEMM2 in one launch
+    give the same bits as the two launches with the same tiles, for every num_valid 0..T (a device
+    tensor), garbage ids (duplicates served, -1, >= E, stale: dropped and counted once), NaN
+    padding and poisoned outputs; its counters are zero again after every call (one workspace for
+    every call), and dispatch never runs."""
+    import dataclasses
+
+    calls = _spy_fused_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
+    num_experts, hidden, inter = 6, 48, 40
+    w13, w2 = (w.to(device) for w in _weights(num_experts, hidden, inter, torch.float32, gen))
+    clean_x = torch.randn(num_tokens, hidden, generator=gen).to(device)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(device)
+    # GEMM1 and GEMM2 tiles of other widths, N and K tails, TMA on one of them
+    two = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1),
+                        GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1, tma=True))
+    fused = dataclasses.replace(two, fused=True)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, device)
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    views.num_blocks.fill_(7)
+    nv = torch.tensor(0, device=device)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        x = clean_x.clone()
+        x[num_valid:] = math.nan
+        outs, dropped = [], []
+        for cfg in (two, fused):
+            health = new_health_tensor(device)
+            outs.append(experts_triton(x, w13, w2, weights, ids, activation="silu",
+                                       num_valid=_nv(NumValid(None, nv), num_tokens, device), health=health,
+                                       workspace=ws, out=poisoned(x.shape, torch.float32, device),
+                                       config=cfg, few_config=cfg))
+            dropped.append(int(health[DROPPED_SLOTS]))
+            assert int(views.few_sync.count_nonzero()) == 0, f"num_valid={num_valid}: counters left set"
+        assert_equal(outs[1], outs[0], what=f"num_valid={num_valid}: fused vs two launches")
+        assert_equal(outs[1][num_valid:], torch.zeros_like(outs[1][num_valid:]))
+        expected = experts_reference(clean_x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None))
+        _assert_matches(device, outs[1], expected, what=f"num_valid={num_valid}")
+        expected_dropped = dispatch_reference(ids, num_experts, NumValid(num_valid, None)).dropped
+        assert dropped[1] == dropped[0] == expected_dropped, f"num_valid={num_valid}"
+    assert len(calls) == num_tokens + 1
+    assert views.num_blocks.tolist() == [7, 7], "a few-slot bucket launched dispatch"
+
+
+@interpreter_only(INTERPRETER_ONLY)
+def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket with T*K > 16 runs its GEMMs apart whatever `fused` says (a batch there may need
+    the dispatch layout), and still matches the reference."""
+    import dataclasses
+
+    calls = _spy_fused_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    num_tokens, num_experts, top_k, hidden, inter = 9, 6, 2, 32, 32
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    cfg = dataclasses.replace(_config(16), fused=True)
+    for num_valid in (1, num_tokens):
+        out = experts_triton(x, w13, w2, weights, ids, activation="silu", num_valid=NumValid(num_valid, None),
+                             health=None, config=cfg, few_config=cfg)
+        assert_close(out, _reference(x, w13, w2, weights, ids, num_valid=num_valid))
+    assert not calls
+
+
 def test_few_config_errors() -> None:
     """The few-slot path is refused, with its argument named, where it cannot run."""
     tiles = GemmTiles(block_n=32, block_k=32)
@@ -514,6 +598,9 @@ def test_few_config_errors() -> None:
     with pytest.raises(TypeError, match="few must be a bool, got int"):
         ExpertsConfig(16, tiles, tiles, few=1)  # type: ignore[arg-type]
     assert not ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, few=False).to_json()).few
+    assert ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, fused=True).to_json()).fused
+    with pytest.raises(TypeError, match="fused must be a bool, got str"):
+        ExpertsConfig(16, tiles, tiles, fused="yes")  # type: ignore[arg-type]
     assert ExpertsConfig.from_json({"block_m": 16, "gemm1": {"block_n": 32, "block_k": 32},
                                     "gemm2": {"block_n": 32, "block_k": 32}}).few
 
@@ -942,3 +1029,61 @@ def test_few_slot_path_in_one_graph(model: str, record_property) -> None:
             bitwise[count] = bool(torch.equal(out[rows].view(torch.int16), alone.view(torch.int16)))
     record_property("few_slot_bitwise_vs_alone", bitwise)
     print(f"{model}: few-slot rows in T=1024 vs a batch of their own, bitwise equal: {bitwise}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+def test_fused_few_gemms_in_graph(model: str) -> None:
+    """`fused` at the largest bucket whose every call takes the few-slot path, on a real shape: two
+    CUDA graphs (fused and two launches, the device table's tiles otherwise) replayed 30 times
+    over num_valid T, 1, 0 with a dropped id and NaN padding: bitwise equal every replay (the
+    tiles' K loops are the same; only when GEMM2 starts differs), padded rows exact zeros, the
+    dropped id counted once per replay, the counters zero after every replay."""
+    import dataclasses
+
+    from safemoe.configs import get_config
+    from safemoe.kernels.experts import few_slots_bucket
+
+    num_experts, top_k, hidden, inter, activation = MODEL_SHAPES[model]
+    num_tokens = few_slots_bucket(top_k)
+    w13, w2 = _gpu_weights(num_experts, hidden, inter)
+    clean_x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _gpu_routing(num_tokens, top_k, num_experts)
+    ids[0, top_k - 1] = -1
+    x = clean_x.clone()
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    base = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, torch.device("cuda"))
+    graphs, outs, healths, workspaces = [], [], [], []
+    for fused in (False, True):
+        cfg = dataclasses.replace(base, fused=fused)
+        ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+        out = torch.empty_like(x)
+        health = new_health_tensor("cuda")
+
+        def step(cfg=cfg, ws=ws, out=out, health=health) -> None:
+            experts_triton(x, w13, w2, weights, ids, activation=activation, num_valid=NumValid(None, nv),
+                           health=health, workspace=ws, out=out, config=cfg, few_config=cfg)
+
+        graphs.append(capture_graph(step)[0])
+        outs.append(out)
+        healths.append(health)
+        workspaces.append(ws)
+    ref = _reference(clean_x, w13, w2, weights, ids, activation=activation, num_valid=num_tokens)
+    for replay in range(30):
+        count = (num_tokens, 1, 0)[replay % 3]
+        x.copy_(clean_x)
+        x[count:] = math.nan
+        nv.fill_(count)
+        for graph, out, health in zip(graphs, outs, healths, strict=True):
+            out.fill_(math.nan)
+            health.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+        what = f"{model} T={num_tokens} num_valid={count} replay {replay}"
+        assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16)), f"{what}: fused differs"
+        assert_equal(outs[1][count:], torch.zeros_like(outs[1][count:]), what=what)
+        assert int(healths[1][DROPPED_SLOTS]) == int(healths[0][DROPPED_SLOTS]) == (1 if count else 0), what
+        sync = workspaces[1].views(num_tokens, num_experts, top_k, hidden, inter).few_sync
+        assert int(sync.count_nonzero()) == 0, what
+        if count == num_tokens:
+            _check_rel(outs[1], ref, what)

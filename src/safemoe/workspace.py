@@ -14,7 +14,9 @@ Sizes, with S = max_tokens * K slots and BM = MAX_BLOCK_M:
 - sorted_slots [capacity] int32, intermediate [capacity, I] (x's dtype), y [S, H] (x's dtype).
 - counts, cursor, block_end [E] int32 (counts padded to a power of two for the histogram), ticket
   (int32), num_blocks [2] int32 (M-blocks of the layout for the batch's tiles, and of the layout
-  for the small-batch tiles; the one not used in a call is 0).
+  for the small-batch tiles; the one not used in a call is 0), few_sync [SYNC_ELEMS] int32 (the
+  counters of the fused few-slot launch: tiles claimed, programs done, each expert's finished
+  GEMM1 tiles; zero between calls like counts and ticket).
 - With `fp8=True` (fp8 expert weights), also the quantised activations: x_fp8 [max_tokens, H]
   and inter_fp8 [capacity, I] float8_e4m3fn, and their fp32 scales, sized for 1x128 groups
   (x_scale [max_tokens, ceil(H/128)], inter_scale [capacity, ceil(I/128)]; per-token scales use
@@ -31,6 +33,9 @@ from safemoe.configs import MAX_BLOCK_M
 from safemoe.numerics import FP8_BLOCK, FP8_DTYPE
 
 _INDEX_DTYPE = torch.int32
+# few_sync: tile claim counter, exit counter, and a readiness counter per expert of the few-slot
+# path (at most 16 experts: kernels/experts.py FEW_SLOTS), with room to spare.
+SYNC_ELEMS = 32
 
 
 def num_bins(num_experts: int) -> int:
@@ -51,8 +56,8 @@ def max_m_blocks(num_tokens: int, num_experts: int, top_k: int, block_m: int) ->
 
 
 def _meta_elems(num_experts: int) -> int:
-    # counts (num_bins) | ticket | num_blocks (2) | cursor (E) | block_end (E)
-    return num_bins(num_experts) + 3 + 2 * num_experts
+    # counts (num_bins) | ticket | num_blocks (2) | cursor (E) | block_end (E) | few_sync
+    return num_bins(num_experts) + 3 + 2 * num_experts + SYNC_ELEMS
 
 
 def _fp8_elems(max_tokens: int, cap: int, hidden: int, inter: int) -> tuple[int, int]:
@@ -97,6 +102,7 @@ class WorkspaceViews:
     num_blocks: torch.Tensor  # [2] int32: M-blocks in use for the main tiles, for the small-batch tiles
     cursor: torch.Tensor  # [E] int32: next free position of each expert while scattering
     block_end: torch.Tensor  # [E] int32: inclusive prefix sum of each expert's M-blocks
+    few_sync: torch.Tensor  # [SYNC_ELEMS] int32, zero between calls: the fused few-slot launch's counters
     sorted_slots: torch.Tensor  # [capacity] int32: slot s = t*K + k, or -1 in padding positions
     intermediate: torch.Tensor  # [capacity, I] act(gate) * up, by sorted position
     y: torch.Tensor  # [T*K, H] weighted expert outputs, by slot
@@ -231,7 +237,8 @@ class Workspace:
         bins = num_bins(self.num_experts)  # the histogram of a smaller E still fits in these bins
         e = num_experts
         idx = self._index
-        meta = bins + 3 + 2 * self.num_experts
+        sync = bins + 3 + 2 * self.num_experts
+        meta = sync + SYNC_ELEMS
         cap = capacity(num_tokens, num_experts, top_k)
         slots = num_tokens * top_k
         return WorkspaceViews(
@@ -240,6 +247,7 @@ class Workspace:
             num_blocks=idx[bins + 1 : bins + 3],
             cursor=idx[bins + 3 : bins + 3 + e],
             block_end=idx[bins + 3 + self.num_experts : bins + 3 + self.num_experts + e],
+            few_sync=idx[sync:meta],
             sorted_slots=idx[meta : meta + cap],
             intermediate=self._data[: cap * inter].view(cap, inter),
             y=self._data[cap * inter : cap * inter + slots * hidden].view(slots, hidden),

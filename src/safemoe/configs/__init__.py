@@ -45,7 +45,7 @@ BLOCK_M_CHOICES = (16, 32, 64, 128)
 # candidates at T = 1..8192 against each T's own config and writes the shape's "batch_invariant"
 # entry; `safemoe bench --suite invariance` measures what the mode costs.
 BATCH_INVARIANT_TOKENS = 1024
-_CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl", "one_launch", "few")
+_CONFIG_FIELDS = ("block_m", "gemm1", "gemm2", "programs_per_sm", "pdl", "one_launch", "few", "fused")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,10 @@ class ExpertsConfig:
     most 16 valid slots (num_valid * K, read on the device) takes the few-slot path of
     kernels/experts.py (each GEMM program builds the layout from the ids itself; no dispatch
     kernel), with this config's tiles when the bucket is that small, else with those of the
-    largest such bucket; off, it runs the dispatch layout like any batch."""
+    largest such bucket; off, it runs the dispatch layout like any batch. fused: a bucket whose
+    every batch takes the few-slot path (T*K <= 16) runs GEMM1 and GEMM2 as ONE launch, GEMM2's
+    tiles of an expert starting as soon as that expert's GEMM1 tiles are done (with gemm1's
+    num_warps/num_stages); ignored for larger buckets."""
 
     block_m: int
     gemm1: GemmTiles
@@ -86,6 +89,7 @@ class ExpertsConfig:
     pdl: bool = False
     one_launch: bool = False
     few: bool = True
+    fused: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -96,7 +100,7 @@ class ExpertsConfig:
                 value = getattr(tiles, attr)
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"{name}.{attr} must be a power of two >= 16, got {value}")
-        for flag in ("one_launch", "few"):
+        for flag in ("one_launch", "few", "fused"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 
@@ -115,6 +119,7 @@ class ExpertsConfig:
             pdl=bool(data.get("pdl", False)),
             one_launch=bool(data.get("one_launch", False)),
             few=bool(data.get("few", True)),
+            fused=bool(data.get("fused", False)),
             extra={k: v for k, v in data.items() if k not in _CONFIG_FIELDS},
         )
 

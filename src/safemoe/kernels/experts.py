@@ -745,6 +745,76 @@ def _gemm2_kernel(
                             SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE)
 
 
+@triton.jit
+def _few_gemms_kernel(
+    x_ptr,  # [T, H]
+    w13_arg,  # [E, 2I, H], or with USE_TMA1 a descriptor over [E*2I, H] with [BLOCK_N1, BLOCK_K1] boxes
+    w2_arg,  # [E, H, I], or with USE_TMA2 a descriptor over [E*H, I] with [BLOCK_N2, BLOCK_K2] boxes
+    weights_ptr,  # [T, K] float32, indexed by slot
+    ids_ptr,  # [T, K] int32
+    num_valid_ptr,  # HAS_NUM_VALID_PTR: 0-dim int32/int64
+    health_ptr,  # HAS_HEALTH: [8] int64
+    sync_ptr,  # [>= 2 + FEW] int32, zero on entry and on exit: claimed tiles, programs done,
+    #            finished GEMM1 tiles of each leader
+    inter_ptr,  # [>= FEW, I] intermediate, row = slot
+    y_ptr,  # [T*K, H]
+    num_valid_count, num_tokens, hidden, inter, num_experts, w13_expert_stride, up_offset, w2_expert_stride,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, FEW: tl.constexpr,
+    BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, EVEN_K1: tl.constexpr, USE_TMA1: tl.constexpr,
+    BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, EVEN_K2: tl.constexpr, USE_TMA2: tl.constexpr,
+    HAS_NUM_VALID_PTR: tl.constexpr, HAS_HEALTH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """GEMM1 and GEMM2 of the few-slot path in one launch (a bucket whose every batch has at most
+    FEW valid slots): the tiles of _gemm1_few_tiles, then those of _gemm2_few_tiles, in one order
+    (GEMM1's leader by leader, then GEMM2's), each program taking the next tile from a counter.
+    A GEMM2 tile waits until its leader's GEMM1 tiles are done (an acquire on the leader's
+    counter, which each finished GEMM1 tile increments with release semantics after its stores):
+    GEMM2's weights stream while the last GEMM1 tiles finish instead of after a kernel boundary.
+    No deadlock whatever the grid or residency: tiles are claimed in order, so the GEMM1 tiles a
+    waiting program needs were claimed earlier by programs that are running and never wait (a
+    program claims its next tile before working on its current one, and holds an unstarted GEMM1
+    tile only while it works on a GEMM1 tile). The last program out zeroes the counters."""
+    wait_for_previous_kernel(USE_PDL)
+    valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
+    slot, expert, rank, leaders, dropped = _few_slots(ids_ptr, valid_slots, num_experts, FEW)
+    if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
+        if tl.program_id(0) == 0:
+            tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
+    n1_blocks = tl.cdiv(inter, BLOCK_N1)
+    n2_blocks = tl.cdiv(hidden, BLOCK_N2)
+    gemm1_tiles = leaders * n1_blocks
+    all_tiles = gemm1_tiles + leaders * n2_blocks
+    claimed = sync_ptr
+    done = sync_ptr + 1
+    ready = sync_ptr + 2
+    tile = tl.atomic_add(claimed, 1, sem="relaxed")
+    while tile < all_tiles:
+        next_tile = tl.atomic_add(claimed, 1, sem="relaxed")
+        if tile < gemm1_tiles:
+            n_block, tile_expert, rows, slots = _few_tile_rows(tile, n1_blocks, slot, expert, rank)
+            _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_ptr, x_ptr, inter_ptr,
+                        hidden, inter, w13_expert_stride, up_offset, 0, 0, 0, 0, 0, TOP_K, ACTIVATION, 0,
+                        UPCAST, FEW, BLOCK_N1, BLOCK_K1, EVEN_K1, DOT_PRECISION, USE_TMA1, False)
+            # every thread's stores before the release (as dispatch's ticket)
+            tl.debug_barrier()
+            tl.atomic_add(ready + tile // n1_blocks, 1, sem="release")
+        else:
+            gemm2_tile = tile - gemm1_tiles
+            while tl.atomic_add(ready + gemm2_tile // n2_blocks, 0, sem="acquire") < n1_blocks:
+                pass
+            n_block, tile_expert, rows, slots = _few_tile_rows(gemm2_tile, n2_blocks, slot, expert, rank)
+            _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, tile_expert, rows, slots, inter_ptr, x_ptr,
+                        y_ptr, hidden, inter, w2_expert_stride, 0, 0, 0, 0, UPCAST, FEW, BLOCK_N2, BLOCK_K2,
+                        EVEN_K2, DOT_PRECISION, USE_TMA2, False)
+        tile = next_tile
+    if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        # every other program has made its last claim and finished its last tile
+        tl.store(claimed, 0)
+        tl.store(done, 0)
+        tl.store(ready + tl.arange(0, FEW), tl.zeros((FEW,), dtype=tl.int32))
+
+
 @functools.lru_cache(maxsize=1)
 def _tensor_descriptor_class() -> type | None:
     try:
@@ -1005,6 +1075,40 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
     )
 
 
+def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                   views: WorkspaceViews, activation: str, few: FewSlots, use_pdl: bool = False) -> None:
+    """GEMM1 and GEMM2 of a bucket whose every batch takes the few-slot path (few.only), as one
+    launch (`_few_gemms_kernel`): same tiles, same per-tile code and so the same bits as
+    gemm1_into + gemm2_into with `few`, with gemm1's num_warps/num_stages for both."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = few.ids.shape[1]
+    tiles1, tiles2 = few.config.gemm1, few.config.gemm2
+    if views.few_sync.numel() < 2 + FEW_SLOTS:
+        raise ValueError(f"workspace few_sync holds {views.few_sync.numel()} counters, the fused few-slot "
+                         f"launch needs {2 + FEW_SLOTS}")
+    slots = min(FEW_SLOTS, num_tokens * top_k)
+    tiles = slots * (triton.cdiv(inter, tiles1.block_n) + triton.cdiv(hidden, tiles2.block_n))
+    grid = persistent_grid(tiles, x.device, few.config.programs_per_sm)
+    args = few.kernel_args()
+    _few_gemms_kernel[(grid,)](
+        x, _weight_operand(w13, tiles1), _weight_operand(w2, tiles2), weights, args["ids_ptr"],
+        args["num_valid_ptr"], few.health if few.health is not None else views.few_sync, views.few_sync,
+        views.intermediate, views.y,
+        args["num_valid_count"], num_tokens, hidden, inter, num_experts, 2 * inter * hidden, inter * hidden,
+        hidden * inter,
+        TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], UPCAST=_upcast(x.dtype), FEW=FEW_SLOTS,
+        BLOCK_N1=tiles1.block_n, BLOCK_K1=tiles1.block_k, EVEN_K1=hidden % tiles1.block_k == 0,
+        USE_TMA1=_use_tma(w13, tiles1),
+        BLOCK_N2=tiles2.block_n, BLOCK_K2=tiles2.block_k, EVEN_K2=inter % tiles2.block_k == 0,
+        USE_TMA2=_use_tma(w2, tiles2),
+        HAS_NUM_VALID_PTR=args["HAS_NUM_VALID_PTR"], HAS_HEALTH=few.health is not None,
+        DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=use_pdl,
+        num_warps=tiles1.num_warps, num_stages=tiles1.num_stages, **launch_options(use_pdl),
+    )
+
+
 def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                        dtype: torch.dtype, device: torch.device, cfg: ExpertsConfig,
                        quant: str | None = None) -> ExpertsConfig | None:
@@ -1196,6 +1300,10 @@ def experts_triton(
     # The small-batch tiles in the GEMMs' own launch (config.one_launch) or in a second launch each.
     merged = small_config if small_config is not None and config.one_launch else None
     separate = small_config if merged is None else None
+    if few is not None and few.only and config.fused:
+        few_gemms_into(x, w13, w2, weights, views, activation, few, use_pdl=use_pdl)
+        combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
+        return out
     gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl, fp8=operands,
                rowwise=rowwise)
     if separate is not None:

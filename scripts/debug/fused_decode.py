@@ -1,0 +1,108 @@
+"""A/B the fused few-slot launch (`ExpertsConfig.fused`) inside the whole layer, interleaved, on a GPU.
+
+    PYTHONPATH=src python scripts/debug/fused_decode.py [--shapes qwen3 gptoss mixtral deepseek]
+        [--rounds 5] [--out FILE.json]
+
+For every shape and every bucket whose calls all take the few-slot path (T = 1 and
+`few_slots_bucket(K)`), times `safemoe.moe` (route + experts, bf16, a workspace, num_valid as a
+device tensor, CUDA-graph replay over 8 seeded routings) with the device table's entry as it is
+("two": GEMM1 and GEMM2 in two launches), with `fused` on, and with `fused` on and one program
+per SM, alternating for --rounds rounds; prints each variant's median, and checks the fused
+outputs bitwise against the two launches'. A measurement script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+import safemoe
+from safemoe.bench.harness import time_graph
+from safemoe.configs import get_config, load_device_configs, shape_key
+from safemoe.kernels.experts import few_slots_bucket
+from safemoe.workspace import Workspace
+
+VARIANTS = 8
+
+
+def _variants(cfg: safemoe.configs.ExpertsConfig) -> dict[str, safemoe.configs.ExpertsConfig]:
+    return {"two": dataclasses.replace(cfg, fused=False), "fused": dataclasses.replace(cfg, fused=True),
+            "fused_pps1": dataclasses.replace(cfg, fused=True, programs_per_sm=1)}
+
+
+def measure(table: dict, name: str, num_tokens: int, rounds: int) -> dict:
+    """Median layer us per variant at T = num_tokens, the table's entry restored after."""
+    from ab_entry import shape_named  # scripts/debug, beside this file
+
+    device = torch.device("cuda")
+    num_experts, top_k, hidden, inter, activation = shape_named(name)
+    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
+    w13.mul_(hidden**-0.5)
+    w2.mul_(inter**-0.5)
+    cfg = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+    entries = table.setdefault(key, {})
+    had = entries.get(num_tokens)
+    xs = [torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+          for _ in range(VARIANTS)]  # fmt: skip
+    logits = [torch.randn(num_tokens, num_experts, device=device, dtype=torch.bfloat16, generator=gen)
+              for _ in range(VARIANTS)]  # fmt: skip
+    nv = torch.tensor(num_tokens, dtype=torch.int32, device=device)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
+
+    def step(j: int) -> torch.Tensor:
+        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, activation=activation, num_valid=nv,
+                           workspace=ws)
+
+    variants = _variants(cfg)
+    bits = {}
+    for side, variant in variants.items():
+        entries[num_tokens] = variant
+        bits[side] = step(0).view(torch.int16).clone()
+    bitwise = {side: bool(torch.equal(b, bits["two"])) for side, b in bits.items()}
+    times: dict[str, list[float]] = {side: [] for side in variants}
+    for _ in range(rounds):
+        for side, variant in variants.items():
+            entries[num_tokens] = variant
+            times[side].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
+    if had is None:
+        del entries[num_tokens]
+    else:
+        entries[num_tokens] = had
+    med = {side: statistics.median(v) for side, v in times.items()}
+    print(f"{name} T={num_tokens}: " + ", ".join(
+        f"{side} {m:.2f} us ({m / med['two'] - 1:+.1%})" for side, m in med.items())
+        + f"; bitwise {bitwise}; rounds {({s: [round(t, 2) for t in v] for s, v in times.items()})}",
+        flush=True)
+    return {"shape": name, "T": num_tokens, "config": cfg.to_json(), "us": times, "median_us": med,
+            "bitwise_vs_two": bitwise}
+
+
+def main() -> None:
+    from ab_entry import shape_named  # scripts/debug, beside this file
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3", "gptoss", "mixtral", "deepseek"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device_name = torch.cuda.get_device_name(torch.device("cuda"))
+    table = load_device_configs(device_name)  # cached: the edits in measure() apply
+    results = []
+    for name in args.shapes:
+        top_k = shape_named(name)[1]
+        for num_tokens in sorted({1, few_slots_bucket(top_k)}):
+            results.append(measure(table, name, num_tokens, args.rounds))
+    if args.out:
+        args.out.write_text(json.dumps({"device": device_name, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
