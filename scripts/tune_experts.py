@@ -6,6 +6,7 @@ Run from the repository root on a CUDA machine:
         [--tokens 1,8,64] [--jobs 12] [--budget-s 240] [--write] [--breakdown] [--no-one-launch] [--wide]
         [--quant per_tensor|block]
     PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR --one-launch-only [--write]
+    PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR --fused-only [--write]
 
 How it searches (per model shape and token bucket T):
 1. Candidates: for each BLOCK_M that suits T's rows per expert, GEMM1 tiles with a base GEMM2, and
@@ -47,7 +48,15 @@ How it searches (per model shape and token bucket T):
    batch is not slower by more than ONE_LAUNCH_TOLERANCE).
    --one-launch-only does this step alone for the entries already in the device table (tiles
    kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning.
-5. fp8 weights (--quant per_tensor or block): the same search on e4m3 weights quantised from the
+5. fused (after one_launch; skip with --no-fused): every bucket whose every call takes the
+   few-slot path (T*K <= FEW_SLOTS) is timed with GEMM1 and GEMM2 in two launches and in one
+   (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians compared: fused only
+   when faster by more than FUSED_MARGIN (`choose_fused`). It pays where GEMM1 runs several waves
+   of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26: gpt-oss and DeepSeek-V3
+   T = 1 -1.5 to -3.4% in the layer) and costs where it does not (Qwen3 T = 1 +11-26%, Mixtral
+   T = 1 +2-9%), so it is a per-bucket choice. --fused-only does this step alone for the device
+   table's entries (tiles kept).
+6. fp8 weights (--quant per_tensor or block): the same search on e4m3 weights quantised from the
    stand-in bf16 ones (`safemoe.fp8.quantize_experts`), x bf16, under the shape's fp8 key
    (`E.._fp8-{quant}`, what `get_config(..., quant=...)` reads). Block mode's candidates keep
    block_k <= 128 (a K step inside one 128-wide scale group, as `get_config` enforces). The
@@ -143,6 +152,10 @@ ONE_LAUNCH_TOLERANCE = 0.01
 # Interleaved rounds of the four one_launch timings; each side's median is compared, so one slow
 # replay set cannot decide it.
 ONE_LAUNCH_ROUNDS = 3
+# fused: the one-launch GEMMs of a few-slot bucket must beat the two launches by more than this
+# (their medians over ONE_LAUNCH_ROUNDS interleaved rounds): a fused launch that only ties keeps
+# its spin-waits and counters for nothing.
+FUSED_MARGIN = 0.01
 # Candidates within ONE_LAUNCH_TOLERANCE of a bucket's fastest full batch that are also timed on a
 # one-valid-row padded step (prefer_fast_padded_step).
 PADDED_PICK_CANDIDATES = 4
@@ -1119,6 +1132,52 @@ def run_one_launch(
     return decided
 
 
+def fused_buckets(configs: dict[int, ExpertsConfig], top_k: int) -> list[int]:
+    """The buckets of `configs` whose `fused` is timed: every call takes the few-slot path there
+    (T*K <= FEW_SLOTS, the path not turned off)."""
+    return [bucket for bucket in sorted(configs) if bucket * top_k <= FEW_SLOTS and configs[bucket].few]
+
+
+def choose_fused(two_launches_us: float, fused_us: float, margin: float = FUSED_MARGIN) -> bool:
+    return fused_us < two_launches_us * (1 - margin)
+
+
+def decide_fused(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
+                 deadline: float) -> tuple[bool, dict[str, float]] | None:
+    """(fused, median us of each side) for `cfg` at case's T: ONE_LAUNCH_ROUNDS interleaved rounds
+    of the two launches and the fused one. None when the budget runs out or a timing fails."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(ONE_LAUNCH_ROUNDS):
+        for fused in (False, True):
+            if time.time() > deadline:
+                return None
+            us = _timed(case, replace(cfg, fused=fused), log, "fused", cfg.extra.get("us"))
+            if us is None:
+                return None
+            times[fused].append(us)
+    med = {fused: statistics.median(v) for fused, v in times.items()}
+    return choose_fused(med[False], med[True]), {"two_launches": round(med[False], 2),
+                                                 "fused": round(med[True], 2)}
+
+
+def run_fused(name: str, w13: torch.Tensor, w2: torch.Tensor, configs: dict[int, ExpertsConfig],
+              log: list[dict[str, Any]], deadline: float) -> dict[int, tuple[bool, dict[str, float]]]:
+    """`fused` decided for each of `fused_buckets(configs)`, timed at T = the bucket."""
+    decided: dict[int, tuple[bool, dict[str, float]]] = {}
+    for bucket in fused_buckets(configs, SHAPES[name][1]):
+        case = Case(name, w13, w2, bucket)
+        result = decide_fused(case, configs[bucket], log, deadline)
+        del case
+        if result is None:
+            print(f"  {name} T={bucket}: fused not measured (budget spent or a timing failed): left off")
+            continue
+        decided[bucket] = result
+        choice, med = result
+        print(f"  {name} T={bucket}: fused={choice}  {med['two_launches']:.1f} -> {med['fused']:.1f} us "
+              f"({med['fused'] / med['two_launches'] - 1:+.1%})", flush=True)
+    return decided
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1150,6 +1209,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="re-decide one_launch of the device table's entries (--tokens: those buckets), tiles kept",
     )
+    parser.add_argument("--no-fused", action="store_true",
+                        help="do not time fused (few-slot winners get fused off)")
+    parser.add_argument("--fused-only", action="store_true",
+                        help="re-decide fused of the device table's few-slot entries (--tokens: those "
+                        "buckets), tiles kept")
     parser.add_argument(
         "--replace-margin", type=float, default=REPLACE_MARGIN,
         help=f"a winner replaces a bucket's incumbent only when faster by more than this fraction "
@@ -1164,6 +1228,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--one-launch-only and --no-one-launch exclude each other")
     if args.one_launch_only and args.quant:
         parser.error("--one-launch-only re-decides bf16 entries; --quant tunes without one_launch")
+    if args.fused_only and (args.one_launch_only or args.no_fused or args.quant):
+        parser.error("--fused-only re-decides fused alone, for bf16 entries")
     names = [n for n in args.shapes.split(",") if n]
     unknown = [n for n in names if n not in SHAPES]
     if unknown or not names:
@@ -1177,6 +1243,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one_launch_only:
         return one_launch_only(args, names, start)
+    if args.fused_only:
+        return fused_only(args, names, start)
     defaults = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
     tokens_of = {
         n: tuple(int(t) for t in args.tokens.split(",")) if args.tokens else defaults[n] for n in names
@@ -1243,6 +1311,9 @@ def main(argv: list[str] | None = None) -> int:
             decided = run_one_launch(name, w13, w2, plan, log, deadline)
             for bucket, (choice, timings) in decided.items():
                 winners[key][str(bucket)].update(one_launch=choice, one_launch_us=timings)
+        if not args.no_fused and args.quant is None:
+            for bucket, (choice, med) in run_fused(name, w13, w2, tuned, log, deadline).items():
+                winners[key][str(bucket)].update(fused=choice, fused_us=med)
         del w13, w2
         torch.cuda.empty_cache()
 
@@ -1260,6 +1331,8 @@ def main(argv: list[str] | None = None) -> int:
             f"; one_launch per bucket with small-batch tiles from a full batch and a padded decode step "
             f"(num_valid = {ONE_LAUNCH_PADDED_ROWS}), medians of {ONE_LAUNCH_ROUNDS} rounds (one_launch_us)"
         )
+    if args.quant is None and not args.no_fused:
+        method += f"; fused per few-slot bucket, medians of {ONE_LAUNCH_ROUNDS} rounds (fused_us)"
     run = {
         "device": device_name,
         "triton": triton.__version__,
@@ -1331,6 +1404,48 @@ def one_launch_only(args: argparse.Namespace, names: list[str], start: float) ->
     }
     _write_results(args, device_name, payload, {"log": log})
     print(f"{len(log)} one_launch timings in {time.time() - start:.0f} s")
+    return 0
+
+
+def fused_only(args: argparse.Namespace, names: list[str], start: float) -> int:
+    """--fused-only: fused re-decided for the device table's few-slot entries of `names`, their
+    tiles and every other field kept."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    device_name = torch.cuda.get_device_name(device)
+    path = device_file(device_name)
+    table = json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
+    buckets = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
+    deadline = time.time() + args.budget_s
+    log: list[dict[str, Any]] = []
+    winners: dict[str, dict[str, Any]] = {}
+    for name in names:
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+        entries = table.get(key, {})
+        configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()
+                   if buckets is None or int(b) in buckets}
+        print(f"{name}: fused timed at T = {fused_buckets(configs, top_k)} ({key} in {path})", flush=True)
+        w13, w2 = make_weights(name, device)
+        for bucket, (choice, med) in run_fused(name, w13, w2, configs, log, deadline).items():
+            entry = {**entries[str(bucket)], "fused": choice, "fused_us": med}
+            winners.setdefault(key, {})[str(bucket)] = entry
+        del w13, w2
+        torch.cuda.empty_cache()
+
+    import triton
+
+    payload = {
+        "fused_run": {
+            "device": device_name, "triton": triton.__version__, "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "method": "scripts/tune_experts.py --fused-only: the table's tiles, fused from full batches "
+            f"under CUDA-graph replay, medians of {ONE_LAUNCH_ROUNDS} interleaved rounds (fused_us), kept "
+            f"when faster by more than {FUSED_MARGIN:.0%}",
+        },
+        "configs": winners,
+    }
+    _write_results(args, device_name, payload, {"log": log})
+    print(f"{len(log)} fused timings in {time.time() - start:.0f} s")
     return 0
 
 

@@ -336,7 +336,7 @@ def _fake_gpu(monkeypatch, tmp_path, tune):
     """main() on the CPU: a fake CUDA device "FakeGPU" (no device table, so get_config falls back
     to the heuristic), a tiny shape, the device file under tmp_path, and Case.time returning fixed
     times: merged pays at T=64 (padded 30 -> 25 us and 22 -> 20 us, full batch +0.5%), not at
-    T=1024 (full +5%)."""
+    T=1024 (full +5%); fused pays at the few-slot buckets (T <= 8: 12 -> 10 us)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -351,6 +351,9 @@ def _fake_gpu(monkeypatch, tmp_path, tune):
     full = {64: (100.0, 100.5), 1024: (200.0, 210.0)}
 
     def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
+        if self.num_tokens * tune.SHAPES["tiny"][1] <= tune.FEW_SLOTS:  # the fused decision
+            assert small is None and num_valid is None
+            return 10.0 if cfg.fused else 12.0
         assert small is not None and small.block_m < cfg.block_m
         if num_valid == tune.ONE_LAUNCH_PADDED_ROWS:
             return 25.0 if cfg.one_launch else 30.0
@@ -409,10 +412,75 @@ def test_main_tuning_decides_one_launch_after_the_tiles(monkeypatch, tmp_path):
     argv = ["--out", str(tmp_path / "out"), "--shapes", "tiny", "--tokens", "8,64,1024", "--no-precompile"]
     assert tune.main([*argv, "--write"]) == 0
     _check_written(path, tune, "E4_H64_I32_K2_bfloat16")
+    entries = json.loads(path.read_text())["configs"]["E4_H64_I32_K2_bfloat16"]
+    assert entries["8"]["fused"] is True and entries["8"]["fused_us"] == {"two_launches": 12.0, "fused": 10.0}
+    assert not any(entries[b]["fused"] or "fused_us" in entries[b] for b in ("64", "1024"))
     # --no-one-launch: winners keep one_launch off, nothing timed for it
-    assert tune.main([*argv, "--write", "--no-one-launch"]) == 0
+    assert tune.main([*argv, "--write", "--no-one-launch", "--no-fused"]) == 0
     entries = json.loads(path.read_text())["configs"]["E4_H64_I32_K2_bfloat16"]
     assert not any(e["one_launch"] or "one_launch_us" in e for e in entries.values())
+    assert not any(e["fused"] or "fused_us" in e for e in entries.values())
+
+
+def test_fused_buckets_and_rule():
+    """fused is timed where every call takes the few-slot path (T*K <= 16, few on), and kept only
+    when faster by more than FUSED_MARGIN."""
+    tune = _load()
+    configs = {b: _cfg(16) for b in (1, 2, 4, 8, 16, 64)}
+    assert tune.fused_buckets(configs, 2) == [1, 2, 4, 8]
+    assert tune.fused_buckets(configs, 8) == [1, 2]
+    assert tune.fused_buckets({**configs, 2: _cfg(16, few=False)}, 8) == [1]
+    assert tune.fused_buckets(configs, 17) == []
+    margin = tune.FUSED_MARGIN
+    assert tune.choose_fused(100.0, 100.0 * (1 - margin) - 0.01)
+    assert not tune.choose_fused(100.0, 100.0 * (1 - margin) + 0.01)
+    assert not tune.choose_fused(100.0, 104.0)
+
+
+def test_decide_fused_times_both_interleaved_by_median():
+    tune = _load()
+
+    class Case:
+        name, num_tokens = "gptoss", 1
+
+        def __init__(self, times):
+            self.times, self.calls = times, []
+
+        def time(self, cfg, est_us=None, small=None, num_valid=None):
+            self.calls.append(cfg.fused)
+            us = self.times[cfg.fused]
+            return us / 2 if len(self.calls) == 1 else us  # round 1's two launches: an outlier
+
+    cfg = _cfg(16, extra={"us": 80.0})
+    case, log = Case({False: 80.0, True: 78.4}), []
+    choice, med = tune.decide_fused(case, cfg, log, deadline=float("inf"))
+    assert choice is True and med == {"two_launches": 80.0, "fused": 78.4}
+    assert case.calls == [False, True] * tune.ONE_LAUNCH_ROUNDS
+    assert [(e["sweep"], e["config"]["fused"]) for e in log] == [("fused", f) for f in (False, True)] * 3
+    assert tune.decide_fused(Case({False: 80.0, True: 79.6}), cfg, [], float("inf"))[0] is False
+    assert tune.decide_fused(Case({False: 80.0, True: 78.0}), cfg, [], deadline=0.0) is None
+
+
+def test_main_fused_only_writes_decisions(monkeypatch, tmp_path):
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    entries = {"1": _cfg(16).to_json(), "8": {**_cfg(16).to_json(), "us": 9.0}, "64": _cfg(32).to_json()}
+    path.write_text(json.dumps({"date": "old", "notes": "kept", "configs": {key: entries}}))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--shapes", "tiny", "--fused-only", "--write"]
+    assert tune.main(argv) == 0
+    data = json.loads(path.read_text())
+    assert data["date"] == "old" and data["notes"] == "kept" and "fused_run" in data
+    written = data["configs"][key]
+    for bucket in ("1", "8"):
+        assert written[bucket] == {**entries[bucket], "fused": True,
+                                   "fused_us": {"two_launches": 12.0, "fused": 10.0}}
+    assert written["64"] == entries["64"]
+    log = json.loads((out / "tune_log.json").read_text())["log"]
+    assert len(log) == 2 * 2 * tune.ONE_LAUNCH_ROUNDS and {e["T"] for e in log} == {1, 8}
+    with pytest.raises(SystemExit):
+        tune.main([*argv, "--no-fused"])
 
 
 def test_fp8_candidates_follow_the_weight_mode():

@@ -6,8 +6,8 @@
 For every shape and every bucket whose calls all take the few-slot path (T = 1 and
 `few_slots_bucket(K)`), times `safemoe.moe` (route + experts, bf16, a workspace, num_valid as a
 device tensor, CUDA-graph replay over 8 seeded routings) with the device table's entry as it is
-("two": GEMM1 and GEMM2 in two launches), with `fused` on, and with `fused` on and one program
-per SM, alternating for --rounds rounds; prints each variant's median, and checks the fused
+("two": GEMM1 and GEMM2 in two launches) and with `fused` on in a few variants (`_variants`),
+alternating for --rounds rounds; prints each variant's median, and checks the fused
 outputs bitwise against the two launches'. A measurement script, not a test.
 """
 
@@ -23,16 +23,27 @@ import torch
 
 import safemoe
 from safemoe.bench.harness import time_graph
-from safemoe.configs import get_config, load_device_configs, shape_key
+from safemoe.configs import ExpertsConfig, get_config, load_device_configs, shape_key
 from safemoe.kernels.experts import few_slots_bucket
 from safemoe.workspace import Workspace
 
 VARIANTS = 8
 
 
-def _variants(cfg: safemoe.configs.ExpertsConfig) -> dict[str, safemoe.configs.ExpertsConfig]:
-    return {"two": dataclasses.replace(cfg, fused=False), "fused": dataclasses.replace(cfg, fused=True),
-            "fused_pps1": dataclasses.replace(cfg, fused=True, programs_per_sm=1)}
+def _variants(cfg: ExpertsConfig) -> dict[str, ExpertsConfig]:
+    """The entry as it is ("two"), fused, fused with GEMM2's K step cut to 128 / 64 (its shared
+    memory per stage then no larger than GEMM1's on the tuned decode tiles: the fused launch
+    has one num_stages, gemm1's, and the larger footprint sets its occupancy), and fused with
+    gemm2's num_warps/num_stages for both."""
+    fused = dataclasses.replace(cfg, fused=True)
+    variants = {"two": dataclasses.replace(cfg, fused=False), "fused": fused}
+    for block_k in (128, 64):
+        if cfg.gemm2.block_k > block_k:
+            variants[f"fused_k{block_k}"] = dataclasses.replace(
+                fused, gemm2=dataclasses.replace(cfg.gemm2, block_k=block_k))
+    variants["fused_g2stages"] = dataclasses.replace(fused, gemm1=dataclasses.replace(
+        cfg.gemm1, num_warps=cfg.gemm2.num_warps, num_stages=cfg.gemm2.num_stages))
+    return variants
 
 
 def measure(table: dict, name: str, num_tokens: int, rounds: int) -> dict:
