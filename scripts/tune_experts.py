@@ -319,20 +319,20 @@ def _few(num_tokens: int, quant: str | None) -> bool:
 
 
 def candidate_plan(num_tokens: int, num_experts: int, top_k: int,
-                   quant: str | None = None) -> list[ExpertsConfig]:
+                   quant: str | None = None, fused: bool = False) -> list[ExpertsConfig]:
     """Every config whose kernels the search may time at this T (for precompiling): per BLOCK_M,
     GEMM1 candidates with the base GEMM2, GEMM2 candidates with the base GEMM1, each also with
-    TMA weight loads (kernels compile per GEMM, so these cover every combination searched)."""
+    TMA weight loads (kernels compile per GEMM, so these cover every combination searched; with
+    `fused`, one kernel holds both GEMMs and the combinations of the descent compile as timed)."""
     plan = []
-    pdl = _pdl(num_tokens)
-    few = _few(num_tokens, quant)
+    flags: dict[str, Any] = {"pdl": _pdl(num_tokens), "few": _few(num_tokens, quant), "fused": fused}
     for block_m, g1s, g2s, group_m in regimes(num_tokens, num_experts, top_k, quant):
         base1, base2 = _tiles(g1s[0], group_m), _tiles(g2s[0], group_m)
         for tma in (False, True):
             for t in g1s:
-                plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, pdl=pdl, few=few))
+                plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, **flags))
             for t in g2s:
-                plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma), pdl=pdl, few=few))
+                plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma), **flags))
     return plan
 
 
@@ -627,7 +627,8 @@ def compile_tasks(names: list[str], tokens_of: dict[str, tuple[int, ...]], quant
         for num_tokens in tokens_of[name]:
             fresh: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
             extra = (baselines or {}).get((name, num_tokens), [])
-            for cfg in [*extra, *candidate_plan(num_tokens, num_experts, top_k, quant)]:
+            fused = search_fused(extra[0] if extra else None, num_tokens, top_k)
+            for cfg in [*extra, *candidate_plan(num_tokens, num_experts, top_k, quant, fused)]:
                 if cfg not in seen:
                     seen.add(cfg)
                     fresh.append((cfg.to_json(), None))
@@ -858,13 +859,21 @@ def heuristic_tiles(name: str, num_tokens: int, quant: str | None) -> ExpertsCon
     return limit_block_k(cfg, FP8_BLOCK_K) if quant == "block" else cfg
 
 
+def search_fused(incumbent: ExpertsConfig | None, num_tokens: int, top_k: int) -> bool:
+    """Whether a bucket's candidates are timed fused: it always takes the few-slot path and its
+    incumbent is fused, so the tiles are searched as the bucket runs (the fused launch has one
+    num_stages and occupancy for both GEMMs: its best tiles need not be the two launches'). The
+    fused step after the search re-decides it for the winner."""
+    return incumbent is not None and incumbent.fused and num_tokens * top_k <= FEW_SLOTS
+
+
 def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[ExpertsConfig, float] | None:
     """The incumbent (if any), coordinate descent per BLOCK_M (GEMM1 tiles, then GEMM2 tiles,
     then TMA for each), then the persistent grid's programs per SM; the fastest config (the
     leaders re-timed) that also checks out wins."""
     num_experts, top_k, _, _ = SHAPES[case.name]
-    pdl = _pdl(case.num_tokens)
-    few = _few(case.num_tokens, case.quant)
+    flags: dict[str, Any] = {"pdl": _pdl(case.num_tokens), "few": _few(case.num_tokens, case.quant),
+                             "fused": search_fused(case.incumbent, case.num_tokens, top_k)}
     results: list[tuple[float, ExpertsConfig]] = []
     est: float | None = None
 
@@ -885,7 +894,7 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
     for block_m, g1s, g2s, group_m in regimes(case.num_tokens, num_experts, top_k, case.quant):
         base2 = _tiles(g2s[0], group_m)
         timed1 = [
-            (trial(ExpertsConfig(block_m, _tiles(t, group_m), base2, pdl=pdl, few=few), "gemm1"), t)
+            (trial(ExpertsConfig(block_m, _tiles(t, group_m), base2, **flags), "gemm1"), t)
             for t in g1s
         ]
         timed1 = [(us, t) for us, t in timed1 if us is not None]
@@ -894,11 +903,11 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         best1 = _tiles(min(timed1)[1], group_m)
         timed2 = [(min(timed1)[0], g2s[0])]
         for t in g2s[1:]:
-            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m), pdl=pdl, few=few), "gemm2")
+            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m), **flags), "gemm2")
             if us is not None:
                 timed2.append((us, t))
         best2 = _tiles(min(timed2)[1], group_m)
-        base = ExpertsConfig(block_m, best1, best2, pdl=pdl, few=few)
+        base = ExpertsConfig(block_m, best1, best2, **flags)
         base_us = min(timed2)[0]
         tma1 = replace(base, gemm1=replace(best1, tma=True))
         tma2 = replace(base, gemm2=replace(best2, tma=True))
@@ -913,7 +922,7 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
             trial(replace(results[0][1], programs_per_sm=programs), "programs")
         results.sort(key=lambda r: r[0])
     results = confirm_ranking(results, lambda cfg: _timed(case, cfg, log, "confirm", est))
-    if few and case.num_tokens * top_k > FEW_SLOTS:
+    if flags["few"] and case.num_tokens * top_k > FEW_SLOTS:
         # among near-equal full batches the one-row padded step decides (the incumbent competes)
         results = prefer_fast_padded_step(case, results, log)
     else:

@@ -773,3 +773,40 @@ def test_check_dependents_keeps_the_incumbent_when_a_served_step_slows(monkeypat
     assert calls == []
     assert tune.dependents_allow({"a": {"incumbent": 100.0, "winner": 101.0}})
     assert not tune.dependents_allow({"a": {"incumbent": 100.0, "winner": 101.1}})
+
+
+def test_a_fused_incumbent_has_its_candidates_searched_fused(monkeypatch):
+    """A few-slot bucket whose incumbent is fused times (and precompiles) its tile candidates
+    fused: the one launch has one num_stages and one occupancy for both GEMMs, so its best tiles
+    need not be the two launches'. Larger buckets and unfused incumbents search as before."""
+    tune = _load()
+    fused_incumbent = _cfg(16, fused=True)
+    assert tune.search_fused(fused_incumbent, 1, 8) and tune.search_fused(fused_incumbent, 2, 8)
+    assert not tune.search_fused(fused_incumbent, 4, 8), "T*K > 16: never fused"
+    assert not tune.search_fused(_cfg(16), 1, 8) and not tune.search_fused(None, 1, 8)
+    assert all(c.fused for c in tune.candidate_plan(1, 128, 4, fused=True))
+    assert not any(c.fused for c in tune.candidate_plan(1, 128, 4))
+    monkeypatch.setitem(tune.SHAPES, "tiny", (4, 2, 64, 32))
+    baselines = {("tiny", 1): [fused_incumbent, _cfg(16)], ("tiny", 64): [fused_incumbent, _cfg(16)]}
+    tasks = tune.compile_tasks(["tiny"], {"tiny": (1, 64)}, None, baselines)
+    fused_of = {}
+    for _, num_tokens, configs, _ in tasks:
+        for data, _ in configs:
+            fused_of.setdefault(num_tokens, set()).add(ExpertsConfig.from_json(data).fused)
+    assert fused_of[1] == {True, False}  # the candidates fused, the heuristic baseline not
+    assert fused_of[64] == {False}  # candidates unfused (the incumbent was compiled at T = 1)
+    timed = []
+
+    class Case:
+        name, num_tokens, quant, fp8 = "tiny", 1, None, None
+        incumbent, heuristic, replace_margin, ranked = fused_incumbent, None, 0.01, []
+
+        def time(self, cfg, est_us=None, small=None, num_valid=None):
+            timed.append(cfg)
+            return 10.0
+
+        def check(self, cfg):
+            return 0.0
+
+    tune.tune_case(Case(), [], deadline=float("inf"))
+    assert timed and all(c.fused for c in timed)
