@@ -30,23 +30,28 @@ from safemoe.workspace import Workspace
 VARIANTS = 8
 
 
-def _variants(cfg: ExpertsConfig) -> dict[str, ExpertsConfig]:
+def _variants(cfg: ExpertsConfig, names: list[str] | None = None) -> dict[str, ExpertsConfig]:
     """The entry as it is ("two"), fused, fused with GEMM2's K step cut to 128 / 64 (its shared
     memory per stage then no larger than GEMM1's on the tuned decode tiles: the fused launch
-    has one num_stages, gemm1's, and the larger footprint sets its occupancy), and fused with
-    gemm2's num_warps/num_stages for both."""
-    fused = dataclasses.replace(cfg, fused=True)
-    variants = {"two": dataclasses.replace(cfg, fused=False), "fused": fused}
+    has one num_stages, gemm1's, and the larger footprint sets its occupancy), fused with
+    gemm2's num_warps/num_stages for both, and fused with 1, 2 or 3 programs per SM (the grid
+    beyond the resident programs only claims nothing and exits); `names` picks some."""
+    two, fused = dataclasses.replace(cfg, fused=False), dataclasses.replace(cfg, fused=True)
+    variants = {"two": two, "fused": fused}
     for block_k in (128, 64):
         if cfg.gemm2.block_k > block_k:
             variants[f"fused_k{block_k}"] = dataclasses.replace(
                 fused, gemm2=dataclasses.replace(cfg.gemm2, block_k=block_k))
     variants["fused_g2stages"] = dataclasses.replace(fused, gemm1=dataclasses.replace(
         cfg.gemm1, num_warps=cfg.gemm2.num_warps, num_stages=cfg.gemm2.num_stages))
+    for programs in (1, 2, 3):
+        variants[f"fused_pps{programs}"] = dataclasses.replace(fused, programs_per_sm=programs)
+    if names:
+        variants = {"two": two, **{name: variants[name] for name in names if name in variants}}
     return variants
 
 
-def measure(table: dict, name: str, num_tokens: int, rounds: int) -> dict:
+def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[str] | None = None) -> dict:
     """Median layer us per variant at T = num_tokens, the table's entry restored after."""
     from ab_entry import shape_named  # scripts/debug, beside this file
 
@@ -72,7 +77,7 @@ def measure(table: dict, name: str, num_tokens: int, rounds: int) -> dict:
         return safemoe.moe(xs[j], logits[j], w13, w2, top_k, activation=activation, num_valid=nv,
                            workspace=ws)
 
-    variants = _variants(cfg)
+    variants = _variants(cfg, names)
     bits = {}
     for side, variant in variants.items():
         entries[num_tokens] = variant
@@ -102,6 +107,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3", "gptoss", "mixtral", "deepseek"])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, nargs="+", help="buckets (default: 1 and few_slots_bucket(K))")
+    parser.add_argument("--variants", nargs="+", help="of _variants' names (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device_name = torch.cuda.get_device_name(torch.device("cuda"))
@@ -109,8 +116,8 @@ def main() -> None:
     results = []
     for name in args.shapes:
         top_k = shape_named(name)[1]
-        for num_tokens in sorted({1, few_slots_bucket(top_k)}):
-            results.append(measure(table, name, num_tokens, args.rounds))
+        for num_tokens in args.tokens or sorted({1, few_slots_bucket(top_k)}):
+            results.append(measure(table, name, num_tokens, args.rounds, args.variants))
     if args.out:
         args.out.write_text(json.dumps({"device": device_name, "results": results}, indent=1) + "\n")
 
