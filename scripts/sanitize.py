@@ -164,6 +164,33 @@ def experts_cases() -> list[Case]:
             cases.append(
                 (f"experts {activation} {str(dtype)[6:]} T={num_tokens} num_valid={num_valid}", case)
             )
+    for num_tokens, top_k in ((1, 8), (2, 8), (4, 4)):
+
+        def fused_case(t=num_tokens, k=top_k) -> None:
+            # The fused few-slot launch (GEMM1 and GEMM2 in one kernel, spin-waits on workspace
+            # counters) is a per-bucket tuned choice the small shapes above never pick, so it is
+            # run here through the launcher with an explicit config.
+            from safemoe._checks import NumValid
+            from safemoe.configs import ExpertsConfig, GemmTiles
+            from safemoe.kernels.experts import experts_triton
+
+            num_experts, hidden, inter = 6, 96, 80
+            clean_x = torch.randn(t, hidden, device="cuda").to(torch.bfloat16)
+            w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda") * 0.1).to(torch.bfloat16)
+            w2 = (torch.randn(num_experts, hidden, inter, device="cuda") * 0.1).to(torch.bfloat16)
+            routing = _routing_with_bad_ids(t, num_experts, k)
+            cfg = ExpertsConfig(16, GemmTiles(block_n=32, block_k=64, group_m=1),
+                                GemmTiles(block_n=64, block_k=32, group_m=1, tma=True), fused=True, pdl=True)
+            for count in range(t + 1):
+                x = clean_x.clone()
+                x[count:] = float("nan")
+                out = experts_triton(x, w13, w2, routing.weights, routing.ids, activation="silu",
+                                     num_valid=NumValid(None, torch.tensor(count, device="cuda")),
+                                     health=None, config=cfg, few_config=cfg)
+                assert bool(torch.isfinite(out[:count]).all()), "non-finite output on a valid row"
+                assert bool((out[count:] == 0).all()), "padded output row is not exact zeros"
+
+        cases.append((f"experts fused few-slot launch T={num_tokens} K={top_k}", fused_case))
     return cases
 
 
