@@ -80,7 +80,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -1110,6 +1110,25 @@ def precompile_one_launch(plans: dict[str, OneLaunchPlan], jobs: int) -> None:
         print("  ", line)
 
 
+Decision = TypeVar("Decision")
+
+
+def decide_per_bucket(name: str, w13: torch.Tensor, w2: torch.Tensor, buckets: list[int], what: str,
+                      decide: Callable[[Case], Decision | None]) -> dict[int, Decision]:
+    """decide(case) for a Case at T = each bucket; a bucket whose decision could not be measured
+    (budget spent, a timing failed) is reported and left out (its flag stays off)."""
+    decided: dict[int, Decision] = {}
+    for bucket in buckets:
+        case = Case(name, w13, w2, bucket)
+        result = decide(case)
+        del case
+        if result is None:
+            print(f"  {name} T={bucket}: {what} not measured (budget spent or a timing failed): left off")
+            continue
+        decided[bucket] = result
+    return decided
+
+
 def run_one_launch(
     name: str,
     w13: torch.Tensor,
@@ -1120,16 +1139,10 @@ def run_one_launch(
 ) -> dict[int, tuple[bool, dict[str, dict[str, float]]]]:
     """one_launch decided for each bucket of `plan` (its config's extra "us", when there, sizes the
     full-batch timing loops), timed at T = the bucket."""
-    decided: dict[int, tuple[bool, dict[str, dict[str, float]]]] = {}
-    for bucket, (cfg, small) in plan.items():
-        case = Case(name, w13, w2, bucket)
-        result = decide_one_launch(case, cfg, small, log, deadline)
-        del case
-        if result is None:
-            print(f"  {name} T={bucket}: one_launch not measured (budget spent or a timing failed): left off")
-            continue
-        decided[bucket] = result
-        choice, timings = result
+    decided = decide_per_bucket(
+        name, w13, w2, list(plan), "one_launch",
+        lambda case: decide_one_launch(case, *plan[case.num_tokens], log, deadline))
+    for bucket, (choice, timings) in decided.items():
         full, padded = timings["full_batch"], timings["padded_decode"]
         print(
             f"  {name} T={bucket}: one_launch={choice}  padded decode "
@@ -1172,16 +1185,9 @@ def decide_fused(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
 def run_fused(name: str, w13: torch.Tensor, w2: torch.Tensor, configs: dict[int, ExpertsConfig],
               log: list[dict[str, Any]], deadline: float) -> dict[int, tuple[bool, dict[str, float]]]:
     """`fused` decided for each of `fused_buckets(configs)`, timed at T = the bucket."""
-    decided: dict[int, tuple[bool, dict[str, float]]] = {}
-    for bucket in fused_buckets(configs, SHAPES[name][1]):
-        case = Case(name, w13, w2, bucket)
-        result = decide_fused(case, configs[bucket], log, deadline)
-        del case
-        if result is None:
-            print(f"  {name} T={bucket}: fused not measured (budget spent or a timing failed): left off")
-            continue
-        decided[bucket] = result
-        choice, med = result
+    decided = decide_per_bucket(name, w13, w2, fused_buckets(configs, SHAPES[name][1]), "fused",
+                                lambda case: decide_fused(case, configs[case.num_tokens], log, deadline))
+    for bucket, (choice, med) in decided.items():
         print(f"  {name} T={bucket}: fused={choice}  {med['two_launches']:.1f} -> {med['fused']:.1f} us "
               f"({med['fused'] / med['two_launches'] - 1:+.1%})", flush=True)
     return decided
@@ -1326,8 +1332,6 @@ def main(argv: list[str] | None = None) -> int:
         del w13, w2
         torch.cuda.empty_cache()
 
-    import triton
-
     method = (
         "scripts/tune_experts.py: whole experts_triton call under CUDA-graph replay, 4 rotating "
         "uniform routing sets, bf16, num_valid as a device tensor"
@@ -1342,13 +1346,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.quant is None and not args.no_fused:
         method += f"; fused per few-slot bucket, medians of {ONE_LAUNCH_ROUNDS} rounds (fused_us)"
-    run = {
-        "device": device_name,
-        "triton": triton.__version__,
-        "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "method": method,
-    }
+    run = run_metadata(device_name, method)
     # An fp8 run's metadata goes under its own key: the top-level one describes the bf16 tiles.
     meta: dict[str, Any] = run if args.quant is None else {f"fp8_{args.quant}_run": run}
     payload = {**meta, "configs": winners}
@@ -1397,23 +1395,10 @@ def one_launch_only(args: argparse.Namespace, names: list[str], start: float) ->
         del w13, w2
         torch.cuda.empty_cache()
 
-    import triton
-
-    payload = {
-        "one_launch_run": {
-            "device": device_name,
-            "triton": triton.__version__,
-            "torch": torch.__version__,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "method": f"scripts/tune_experts.py --one-launch-only: the table's tiles, one_launch from a full "
-            f"batch and a padded decode step (num_valid = {ONE_LAUNCH_PADDED_ROWS}) under CUDA-graph replay, "
-            f"medians of {ONE_LAUNCH_ROUNDS} rounds (one_launch_us)",
-        },
-        "configs": winners,
-    }
-    _write_results(args, device_name, payload, {"log": log})
-    print(f"{len(log)} one_launch timings in {time.time() - start:.0f} s")
-    return 0
+    method = (f"scripts/tune_experts.py --one-launch-only: the table's tiles, one_launch from a full batch "
+              f"and a padded decode step (num_valid = {ONE_LAUNCH_PADDED_ROWS}) under CUDA-graph replay, "
+              f"medians of {ONE_LAUNCH_ROUNDS} rounds (one_launch_us)")
+    return _finish_table_only(args, device_name, "one_launch", method, winners, log, start)
 
 
 def fused_only(args: argparse.Namespace, names: list[str], start: float) -> int:
@@ -1441,21 +1426,28 @@ def fused_only(args: argparse.Namespace, names: list[str], start: float) -> int:
         del w13, w2
         torch.cuda.empty_cache()
 
+    method = ("scripts/tune_experts.py --fused-only: the table's tiles, fused from full batches under "
+              f"CUDA-graph replay, medians of {ONE_LAUNCH_ROUNDS} interleaved rounds (fused_us), kept when "
+              f"faster by more than {FUSED_MARGIN:.0%}")
+    return _finish_table_only(args, device_name, "fused", method, winners, log, start)
+
+
+def _finish_table_only(args: argparse.Namespace, device_name: str, what: str, method: str,
+                       winners: dict[str, dict[str, Any]], log: list[dict[str, Any]], start: float) -> int:
+    """Write a --one-launch-only / --fused-only run: its metadata under "{what}_run" (the table's
+    tiles, and their run's top-level metadata, are kept)."""
+    payload = {f"{what}_run": run_metadata(device_name, method), "configs": winners}
+    _write_results(args, device_name, payload, {"log": log})
+    print(f"{len(log)} {what} timings in {time.time() - start:.0f} s")
+    return 0
+
+
+def run_metadata(device_name: str, method: str) -> dict[str, Any]:
+    """What a device file records about the run that wrote its entries."""
     import triton
 
-    payload = {
-        "fused_run": {
-            "device": device_name, "triton": triton.__version__, "torch": torch.__version__,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "method": "scripts/tune_experts.py --fused-only: the table's tiles, fused from full batches "
-            f"under CUDA-graph replay, medians of {ONE_LAUNCH_ROUNDS} interleaved rounds (fused_us), kept "
-            f"when faster by more than {FUSED_MARGIN:.0%}",
-        },
-        "configs": winners,
-    }
-    _write_results(args, device_name, payload, {"log": log})
-    print(f"{len(log)} fused timings in {time.time() - start:.0f} s")
-    return 0
+    return {"device": device_name, "triton": triton.__version__, "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "method": method}
 
 
 def _write_results(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,29 +40,12 @@ def shape_named(prefix: str) -> tuple[int, int, int, int, str]:
     return SHAPES[names[0]]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shape", help="a bench shape or its prefix: qwen3, mixtral, gptoss, deepseek")
-    parser.add_argument("tokens", help="T or T:NUM_VALID")
-    parser.add_argument("bucket", type=int)
-    parser.add_argument("other_table", type=Path)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    num_experts, top_k, hidden, inter, activation = shape_named(args.shape)
-    num_tokens, _, valid = args.tokens.partition(":")
-    num_tokens, num_valid = int(num_tokens), int(valid or num_tokens)
-    device = torch.device("cuda")
-    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
-    table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
-    other_entries = json.loads(args.other_table.read_text()).get("configs", {}).get(key, {})
-    sides = (("this device's table", table.get(key, {})), (str(args.other_table), other_entries))
-    for where, entries in sides:
-        if args.bucket not in entries and str(args.bucket) not in entries:
-            raise SystemExit(f"{where} has no entry {key} T = {args.bucket}: A/B two entries that exist")
-    ours = table[key][args.bucket]
-    other = ExpertsConfig.from_json(other_entries[str(args.bucket)])
-
+def layer_step(prefix: str, num_tokens: int, num_valid: int,
+               device: torch.device) -> Callable[[int], torch.Tensor]:
+    """`safemoe.moe` of the bench shape `prefix` (seeded bf16 weights scaled by 1/sqrt of their
+    reduction, VARIANTS seeded inputs and gate logits, num_valid as a device tensor, one
+    workspace) on input set j: the step both A/B scripts time under graph replay."""
+    num_experts, top_k, hidden, inter, activation = shape_named(prefix)
     gen = torch.Generator(device=device).manual_seed(0)
     w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
     w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
@@ -77,6 +61,34 @@ def main() -> None:
     def step(j: int) -> torch.Tensor:
         return safemoe.moe(xs[j], logits[j], w13, w2, top_k, activation=activation, num_valid=nv,
                            workspace=ws)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", help="a bench shape or its prefix: qwen3, mixtral, gptoss, deepseek")
+    parser.add_argument("tokens", help="T or T:NUM_VALID")
+    parser.add_argument("bucket", type=int)
+    parser.add_argument("other_table", type=Path)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    num_experts, top_k, hidden, inter, _ = shape_named(args.shape)
+    num_tokens, _, valid = args.tokens.partition(":")
+    num_tokens, num_valid = int(num_tokens), int(valid or num_tokens)
+    device = torch.device("cuda")
+    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+    table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
+    other_entries = json.loads(args.other_table.read_text()).get("configs", {}).get(key, {})
+    sides = (("this device's table", table.get(key, {})), (str(args.other_table), other_entries))
+    for where, entries in sides:
+        if args.bucket not in entries and str(args.bucket) not in entries:
+            raise SystemExit(f"{where} has no entry {key} T = {args.bucket}: A/B two entries that exist")
+    ours = table[key][args.bucket]
+    other = ExpertsConfig.from_json(other_entries[str(args.bucket)])
+
+    step = layer_step(args.shape, num_tokens, num_valid, device)
 
     times: dict[str, list[float]] = {"table": [], "other": []}
     for _ in range(args.rounds):

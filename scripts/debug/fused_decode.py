@@ -21,13 +21,9 @@ from pathlib import Path
 
 import torch
 
-import safemoe
 from safemoe.bench.harness import time_graph
 from safemoe.configs import ExpertsConfig, get_config, load_device_configs, shape_key
 from safemoe.kernels.experts import few_slots_bucket
-from safemoe.workspace import Workspace
-
-VARIANTS = 8
 
 
 def _variants(cfg: ExpertsConfig, names: list[str] | None = None) -> dict[str, ExpertsConfig]:
@@ -53,29 +49,15 @@ def _variants(cfg: ExpertsConfig, names: list[str] | None = None) -> dict[str, E
 
 def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[str] | None = None) -> dict:
     """Median layer us per variant at T = num_tokens, the table's entry restored after."""
-    from ab_entry import shape_named  # scripts/debug, beside this file
+    from ab_entry import VARIANTS, layer_step, shape_named  # scripts/debug, beside this file
 
     device = torch.device("cuda")
-    num_experts, top_k, hidden, inter, activation = shape_named(name)
+    num_experts, top_k, hidden, inter, _ = shape_named(name)
     key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
-    w13.mul_(hidden**-0.5)
-    w2.mul_(inter**-0.5)
     cfg = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device)
     entries = table.setdefault(key, {})
     had = entries.get(num_tokens)
-    xs = [torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-          for _ in range(VARIANTS)]  # fmt: skip
-    logits = [torch.randn(num_tokens, num_experts, device=device, dtype=torch.bfloat16, generator=gen)
-              for _ in range(VARIANTS)]  # fmt: skip
-    nv = torch.tensor(num_tokens, dtype=torch.int32, device=device)
-    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
-
-    def step(j: int) -> torch.Tensor:
-        return safemoe.moe(xs[j], logits[j], w13, w2, top_k, activation=activation, num_valid=nv,
-                           workspace=ws)
+    step = layer_step(name, num_tokens, num_tokens, device)
 
     variants = _variants(cfg, names)
     bits = {}
