@@ -552,6 +552,46 @@ def test_fused_few_gemms_bitwise_as_two_launches(device: str, num_tokens: int, t
     assert views.num_blocks.tolist() == [7, 7], "a few-slot bucket launched dispatch"
 
 
+@pytest.mark.memcheck
+@pytest.mark.parametrize("num_tokens,top_k,fused",
+                         [(1, 8, False), (2, 8, True), (4, 4, False), (24, 2, False)])
+def test_ids_complete_gives_the_same_bits(device: str, num_tokens: int, top_k: int, fused: bool) -> None:
+    """`ids_complete` (the router's ids, every row written this call: moe() and MoE pass it) loads
+    the few-slot path's ids together with a device num_valid: the same bits as without it for every
+    num_valid, whatever the padding rows' ids hold (here garbage, discarded unused), on the
+    few-slot bucket, fused or not, and inside a larger bucket (T = 24, K = 2)."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(num_tokens * 100 + top_k)
+    num_experts, hidden, inter = 6, 48, 40
+    w13, w2 = (w.to(device) for w in _weights(num_experts, hidden, inter, torch.float32, gen))
+    clean_x = torch.randn(num_tokens, hidden, generator=gen).to(device)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(device)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
+    tiles = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1),
+                          GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1), fused=fused)
+    big = dataclasses.replace(tiles, block_m=32) if num_tokens * top_k > 16 else None
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, device)
+    nv = torch.tensor(0, device=device)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        x = clean_x.clone()
+        x[num_valid:] = math.nan
+        outs, dropped = [], []
+        for complete in (False, True):
+            health = new_health_tensor(device)
+            outs.append(experts_triton(x, w13, w2, weights, ids, activation="silu",
+                                       num_valid=NumValid(None, nv), health=health, workspace=ws,
+                                       out=poisoned(x.shape, torch.float32, device), config=big or tiles,
+                                       few_config=tiles, ids_complete=complete))
+            dropped.append(int(health[DROPPED_SLOTS]))
+        assert_equal(outs[1], outs[0], what=f"num_valid={num_valid}: ids_complete vs not")
+        assert_equal(outs[1][num_valid:], torch.zeros_like(outs[1][num_valid:]))
+        expected = experts_reference(clean_x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None))
+        _assert_matches(device, outs[1], expected, what=f"num_valid={num_valid}")
+        assert dropped[0] == dropped[1], f"num_valid={num_valid}: dropped {dropped}"
+
+
 @interpreter_only(INTERPRETER_ONLY)
 def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bucket with T*K > 16 runs its GEMMs apart whatever `fused` says (a batch there may need

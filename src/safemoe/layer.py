@@ -249,8 +249,10 @@ def moe(
         require_triton(x.device, "moe")
     weights, ids = ops.route(logits, config, bias=bias, num_valid=nv, backend=backend, health=health,
                              batch_invariant=batch_invariant)
+    # ids_complete: the router above wrote every row's ids in this call (padding rows' as -1)
     return ops.experts(x, w13, w2, weights, ids, activation=activation, num_valid=nv, backend=backend,
-                       health=health, workspace=workspace, fp8=fp8, batch_invariant=batch_invariant)
+                       health=health, workspace=workspace, fp8=fp8, batch_invariant=batch_invariant,
+                       ids_complete=True)
 
 
 class MoE(nn.Module):
@@ -554,10 +556,12 @@ class MoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  nv: NumValid) -> torch.Tensor:
-        """The routed experts of this layer's rows (ids in [0, E)); `EPMoE` runs them across ranks."""
+        """The routed experts of this layer's rows (ids in [0, E)); `EPMoE` runs them across ranks.
+        The ids are this layer's gate's, every row written in this call (ids_complete)."""
         return ops.experts(x, self.w13, self.w2, weights, ids, activation=self.activation, num_valid=nv,
                            backend=_resolve(self.backend, x.device), health=self._health,
-                           workspace=self._workspace, fp8=self._fp8(), batch_invariant=self.batch_invariant)
+                           workspace=self._workspace, fp8=self._fp8(), batch_invariant=self.batch_invariant,
+                           ids_complete=True)
 
     def _input_weighted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                                 nv: NumValid) -> torch.Tensor:

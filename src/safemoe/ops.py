@@ -38,7 +38,7 @@ _ROUTE_ARGS = (
 _EXPERTS_ARGS = (
     "Tensor x, Tensor w13, Tensor w2, Tensor? w13_scale, Tensor? w2_scale, str quant, bool gate_up_split, "
     "Tensor weights, Tensor ids, str activation, Tensor? num_valid, SymInt num_valid_count, str backend, "
-    "bool batch_invariant, Tensor(a!) workspace, int[] workspace_dims, Tensor(b!) out"
+    "bool batch_invariant, bool ids_complete, Tensor(a!) workspace, int[] workspace_dims, Tensor(b!) out"
 )
 _NUM_ROUTE_FIELDS = len(RouteConfig.op_schema().split(", "))
 
@@ -91,6 +91,7 @@ def _experts_impl(
     num_valid_count: int,
     backend: str,
     batch_invariant: bool,
+    ids_complete: bool,
     workspace: torch.Tensor,
     workspace_dims: list[int],
     out: torch.Tensor,
@@ -106,7 +107,7 @@ def _experts_impl(
 
         experts_triton(x, w13, w2, weights, ids, activation=activation, num_valid=nv, health=health,
                        workspace=Workspace.over(workspace, workspace_dims, x.dtype), out=out, fp8=fp8,
-                       batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, ids_complete=ids_complete)
         return
     from safemoe import reference
     from safemoe.health import DROPPED_SLOTS
@@ -202,9 +203,11 @@ def experts(
     workspace: Workspace | None,
     fp8: Fp8Weights | None = None,
     batch_invariant: bool = False,
+    ids_complete: bool = False,
 ) -> torch.Tensor:
     """The `safemoe::experts` op into a new output [T, H] (x's dtype). `backend` is resolved; on
-    "triton" without a workspace a temporary one is allocated for the call."""
+    "triton" without a workspace a temporary one is allocated for the call. `ids_complete`: the ids
+    come from this call's router, every row written (`kernels.experts.experts_triton`)."""
     num_tokens = x.shape[0]
     if backend == "triton":
         if workspace is None:
@@ -219,7 +222,7 @@ def experts(
         (None, None, "", False) if fp8 is None else (fp8.w13_scale, fp8.w2_scale, fp8.mode, fp8.gate_up_split)
     )
     args = (x, w13, w2, *scales, weights, ids, activation, *_nv_args(num_valid, num_tokens), backend,
-            batch_invariant, buffer, dims, out)
+            batch_invariant, ids_complete, buffer, dims, out)
     if health is None:
         torch.ops.safemoe.experts(*args)
     else:

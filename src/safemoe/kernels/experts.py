@@ -181,14 +181,40 @@ def _dequantize(acc, a_scale_rows_ptr, row_ok, w_scale_ptr, QUANT: tl.constexpr)
 
 
 @triton.jit
-def _few_slots(ids_ptr, valid_slots, num_experts, FEW: tl.constexpr):
-    """The few-slot layout, built in registers by every GEMM program from the ids themselves:
-    (slot [FEW], its expert or -1 when the slot is not served, its rank among the leaders or -1,
-    number of leaders, dropped slots). A leader is the first served slot of its expert: each tile
-    of the few-slot path is one leader's expert, whose rows are all the slots routed to it."""
+def _few_ids(ids_ptr, num_slots, FEW: tl.constexpr):
+    """The ids of the first min(FEW, num_slots) slots (-1 past them)."""
+    slot = tl.arange(0, FEW)
+    return tl.load(ids_ptr + slot, mask=slot < num_slots, other=-1)
+
+
+@triton.jit
+def _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K: tl.constexpr,
+                  FEW: tl.constexpr, HAS_NUM_VALID_PTR: tl.constexpr, IDS_COMPLETE: tl.constexpr):
+    """(ids of the first FEW slots, valid slots = num_valid * K). Without IDS_COMPLETE the ids load
+    is masked by num_valid, so the ids of padding rows are never read, and with num_valid on the
+    device it waits for that load (a second round trip before any weight load). IDS_COMPLETE: the
+    caller's router wrote every row's ids in this same call (padding rows' as -1), so the ids of
+    the batch's first FEW slots are loaded together with num_valid, and _few_slots discards the
+    padding rows' among them before any use."""
+    if IDS_COMPLETE:
+        raw_ids = _few_ids(ids_ptr, num_tokens * TOP_K, FEW)
+        valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
+    else:
+        valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
+        raw_ids = _few_ids(ids_ptr, valid_slots, FEW)
+    return raw_ids, valid_slots
+
+
+@triton.jit
+def _few_slots(raw_ids, valid_slots, num_experts, FEW: tl.constexpr):
+    """The few-slot layout, built in registers by every GEMM program from the ids themselves
+    (`raw_ids`, from _load_few_ids): (slot [FEW], its expert or -1 when the slot is not served, its
+    rank among the leaders or -1, number of leaders, dropped slots). A leader is the first served
+    slot of its expert: each tile of the few-slot path is one leader's expert, whose rows are all
+    the slots routed to it."""
     slot = tl.arange(0, FEW)
     in_rows = slot < valid_slots
-    expert = tl.load(ids_ptr + slot, mask=in_rows, other=-1)
+    expert = tl.where(in_rows, raw_ids, -1)
     served = in_rows & (expert >= 0) & (expert < num_experts)
     expert = tl.where(served, expert, -1)
     earlier_same = (expert[:, None] == expert[None, :]) & (slot[None, :] < slot[:, None])
@@ -324,7 +350,7 @@ def _gemm1_tiles(
 
 @triton.jit
 def _gemm1_few_tiles(
-    x_ptr, w13_arg, ids_ptr, valid_slots, num_experts, health_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr,
+    x_ptr, w13_arg, raw_ids, valid_slots, num_experts, health_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr,
     hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
     up_scale_row, up_scale_offset,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
@@ -333,7 +359,7 @@ def _gemm1_few_tiles(
 ):
     """GEMM1 over the few-slot layout (valid_slots <= FEW): one tile per (expert routed to, N-block),
     with FEW rows; program 0 counts the dropped slots (no dispatch kernel ran for them)."""
-    slot, expert, rank, leaders, dropped = _few_slots(ids_ptr, valid_slots, num_experts, FEW)
+    slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
     if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
         if tl.program_id(0) == 0:
             tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
@@ -446,6 +472,7 @@ def _gemm1_kernel(
     FEW_EVEN_K: tl.constexpr,
     FEW_USE_TMA: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr,
+    IDS_COMPLETE: tl.constexpr,  # FEW > 0: every row's ids written by the caller's router (_load_few_ids)
     HAS_HEALTH: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -453,9 +480,10 @@ def _gemm1_kernel(
 ):
     wait_for_previous_kernel(USE_PDL)
     if FEW > 0:
-        valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
+        raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
+                                             HAS_NUM_VALID_PTR, IDS_COMPLETE)
         if valid_slots <= FEW:
-            _gemm1_few_tiles(x_ptr, w13_few_arg, ids_ptr, valid_slots, num_experts, health_ptr, x_scale_ptr,
+            _gemm1_few_tiles(x_ptr, w13_few_arg, raw_ids, valid_slots, num_experts, health_ptr, x_scale_ptr,
                              w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset,
                              x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row,
                              up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST, FEW, FEW_BLOCK_N,
@@ -612,14 +640,14 @@ def _gemm2_tiles(
 
 @triton.jit
 def _gemm2_few_tiles(
-    inter_ptr, w2_arg, weights_ptr, ids_ptr, valid_slots, num_experts, inter_scale_ptr, w2_scale_ptr,
+    inter_ptr, w2_arg, weights_ptr, raw_ids, valid_slots, num_experts, inter_scale_ptr, w2_scale_ptr,
     y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
     QUANT: tl.constexpr, UPCAST: tl.constexpr, FEW: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     """GEMM2 over the few-slot layout, the tiles of _gemm1_few_tiles."""
-    slot, expert, rank, leaders, _ = _few_slots(ids_ptr, valid_slots, num_experts, FEW)
+    slot, expert, rank, leaders, _ = _few_slots(raw_ids, valid_slots, num_experts, FEW)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     for tile in range(tl.program_id(0), leaders * num_n_blocks, tl.num_programs(0)):
         n_block, tile_expert, rows, slots = _few_tile_rows(tile, num_n_blocks, slot, expert, rank)
@@ -716,15 +744,17 @@ def _gemm2_kernel(
     FEW_EVEN_K: tl.constexpr,
     FEW_USE_TMA: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr,
+    IDS_COMPLETE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
 ):
     wait_for_previous_kernel(USE_PDL)
     if FEW > 0:
-        valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
+        raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
+                                             HAS_NUM_VALID_PTR, IDS_COMPLETE)
         if valid_slots <= FEW:
-            _gemm2_few_tiles(inter_ptr, w2_few_arg, weights_ptr, ids_ptr, valid_slots, num_experts,
+            _gemm2_few_tiles(inter_ptr, w2_few_arg, weights_ptr, raw_ids, valid_slots, num_experts,
                              inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
                              inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
                              FEW, FEW_BLOCK_N, FEW_BLOCK_K, FEW_EVEN_K, DOT_PRECISION, FEW_USE_TMA, ROWWISE)
@@ -762,8 +792,8 @@ def _few_gemms_kernel(
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, FEW: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, EVEN_K1: tl.constexpr, USE_TMA1: tl.constexpr,
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, EVEN_K2: tl.constexpr, USE_TMA2: tl.constexpr,
-    HAS_NUM_VALID_PTR: tl.constexpr, HAS_HEALTH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_NUM_VALID_PTR: tl.constexpr, IDS_COMPLETE: tl.constexpr, HAS_HEALTH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """GEMM1 and GEMM2 of the few-slot path in one launch (a bucket whose every batch has at most
     FEW valid slots): the tiles of _gemm1_few_tiles, then those of _gemm2_few_tiles, in one order
@@ -776,8 +806,9 @@ def _few_gemms_kernel(
     program claims its next tile before working on its current one, and holds an unstarted GEMM1
     tile only while it works on a GEMM1 tile). The last program out zeroes the counters."""
     wait_for_previous_kernel(USE_PDL)
-    valid_slots = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR) * TOP_K
-    slot, expert, rank, leaders, dropped = _few_slots(ids_ptr, valid_slots, num_experts, FEW)
+    raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
+                                         HAS_NUM_VALID_PTR, IDS_COMPLETE)
+    slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
     if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
         if tl.program_id(0) == 0:
             tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
@@ -910,19 +941,20 @@ class FewSlots:
     num_valid: NumValid
     health: torch.Tensor | None
     only: bool
+    ids_complete: bool = False
 
     def kernel_args(self) -> dict[str, object]:
         has_nv_ptr = self.num_valid.tensor is not None
         return {
             "ids_ptr": self.ids, "num_valid_ptr": self.num_valid.tensor if has_nv_ptr else self.ids,
             "num_valid_count": self.ids.shape[0] if self.num_valid.count is None else self.num_valid.count,
-            "HAS_NUM_VALID_PTR": has_nv_ptr,
+            "HAS_NUM_VALID_PTR": has_nv_ptr, "IDS_COMPLETE": self.ids_complete,
         }
 
 
 def _no_few_args(ids_like: torch.Tensor, num_tokens: int) -> dict[str, object]:
     return {"ids_ptr": ids_like, "num_valid_ptr": ids_like, "num_valid_count": num_tokens,
-            "HAS_NUM_VALID_PTR": False}
+            "HAS_NUM_VALID_PTR": False, "IDS_COMPLETE": False}
 
 
 def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: int, top_k: int,
@@ -1031,7 +1063,8 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
         QUANT=quant, UPCAST=_upcast(a.dtype), **meta,
-        HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], HAS_HEALTH=health is not None,
+        HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
+        HAS_HEALTH=health is not None,
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
@@ -1069,7 +1102,7 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
         TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=quant, UPCAST=_upcast(a.dtype),
-        **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"],
+        **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
@@ -1103,7 +1136,8 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         USE_TMA1=_use_tma(w13, tiles1),
         BLOCK_N2=tiles2.block_n, BLOCK_K2=tiles2.block_k, EVEN_K2=inter % tiles2.block_k == 0,
         USE_TMA2=_use_tma(w2, tiles2),
-        HAS_NUM_VALID_PTR=args["HAS_NUM_VALID_PTR"], HAS_HEALTH=few.health is not None,
+        HAS_NUM_VALID_PTR=args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=args["IDS_COMPLETE"],
+        HAS_HEALTH=few.health is not None,
         DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=use_pdl,
         num_warps=tiles1.num_warps, num_stages=tiles1.num_stages, **launch_options(use_pdl),
     )
@@ -1192,6 +1226,7 @@ def experts_triton(
     few_config: ExpertsConfig | None = None,
     fp8: Fp8Weights | None = None,
     batch_invariant: bool = False,
+    ids_complete: bool = False,
 ) -> torch.Tensor:
     """Expert MLPs with the Triton kernels; arguments already validated by `safemoe.experts`.
 
@@ -1219,6 +1254,12 @@ def experts_triton(
     decode instead of four: the fused tiny-batch dispatch that issue 13 names. Not with fp8 (the
     second quantisation pass reads the sorted layout) nor batch_invariant (the tiles would then
     depend on num_valid).
+
+    ids_complete: the caller's router wrote the ids of every row in this call (padding rows' as
+    -1), as `moe()` and `MoE` do; the few-slot path then loads the first 16 slots' ids together with a
+    device num_valid instead of after it (one memory round trip less before the first weight load;
+    the padding rows' among them are discarded unused). Without it the ids of rows >= num_valid are
+    never read.
 
     batch_invariant: one configuration for every T and no small-batch switch, so a valid row's
     output is bitwise the same whatever T, num_valid and the other rows hold. The configuration is
@@ -1288,7 +1329,7 @@ def experts_triton(
     few = None
     if few_config is not None:
         only = num_tokens * top_k <= FEW_SLOTS
-        few = FewSlots(few_config, ids, num_valid, health, only)
+        few = FewSlots(few_config, ids, num_valid, health, only, ids_complete)
         if only:
             # Every call takes the few-slot path: its tiles alone, no dispatch, no small tiles.
             config, small_config, small = few_config, None, None
