@@ -15,6 +15,8 @@ compute-sanitizer (tests/memcheck.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -488,6 +490,55 @@ def test_few_slot_path_in_a_large_batch(one_launch: bool) -> None:
             assert_equal(out[rows], alone, what=f"num_valid={num_valid}: in T=24 vs a batch of {num_valid}")
 
 
+# (E, H, I) of the small few-slot cases below
+FEW_CASE = (6, 48, 40)
+
+
+class _FewInputs(NamedTuple):
+    w13: torch.Tensor
+    w2: torch.Tensor
+    x: torch.Tensor  # clean; each num_valid poisons a copy's padding rows
+    weights: torch.Tensor
+    ids: torch.Tensor  # garbage_ids: duplicates, -1, >= E, stale
+
+
+def _few_slot_inputs(device: str, num_tokens: int, top_k: int, seed: int) -> _FewInputs:
+    gen = torch.Generator().manual_seed(seed)
+    num_experts, hidden, inter = FEW_CASE
+    w13, w2 = (w.to(device) for w in _weights(num_experts, hidden, inter, torch.float32, gen))
+    x = torch.randn(num_tokens, hidden, generator=gen).to(device)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(device)
+    return _FewInputs(w13, w2, x, weights, ids)
+
+
+def _same_bits_every_num_valid(device: str, inputs: _FewInputs,
+                               run: Callable[[bool, torch.Tensor, NumValid, torch.Tensor], torch.Tensor],
+                               what: str) -> None:
+    """For every num_valid 0..T (a device tensor; NaN in the padding rows of x, poisoned outputs):
+    run(False, ...) and run(True, ...) give the same bits and the same dropped-slot count, padded
+    rows are exact zeros, and the result matches the reference."""
+    num_tokens = inputs.x.shape[0]
+    nv = torch.tensor(0, device=device)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        x = inputs.x.clone()
+        x[num_valid:] = math.nan
+        outs, dropped = [], []
+        for variant in (False, True):
+            health = new_health_tensor(device)
+            outs.append(run(variant, x, NumValid(None, nv), health))
+            dropped.append(int(health[DROPPED_SLOTS]))
+        assert_equal(outs[1], outs[0], what=f"num_valid={num_valid}: {what}")
+        assert_equal(outs[1][num_valid:], torch.zeros_like(outs[1][num_valid:]))
+        nv_ref = NumValid(num_valid, None)
+        expected = experts_reference(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids,
+                                     num_valid=nv_ref)
+        _assert_matches(device, outs[1], expected, what=f"num_valid={num_valid}")
+        expected_dropped = dispatch_reference(inputs.ids, FEW_CASE[0], nv_ref).dropped
+        assert dropped[0] == dropped[1] == expected_dropped, f"num_valid={num_valid}: dropped {dropped}"
+
+
 def _spy_fused_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts calls of the fused few-slot launcher (kernels/experts.py few_gemms_into)."""
     import safemoe.kernels.experts as experts_module
@@ -515,39 +566,23 @@ def test_fused_few_gemms_bitwise_as_two_launches(device: str, num_tokens: int, t
     import dataclasses
 
     calls = _spy_fused_launches(monkeypatch)
-    gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
-    num_experts, hidden, inter = 6, 48, 40
-    w13, w2 = (w.to(device) for w in _weights(num_experts, hidden, inter, torch.float32, gen))
-    clean_x = torch.randn(num_tokens, hidden, generator=gen).to(device)
-    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
-    weights = torch.rand(num_tokens, top_k, generator=gen).to(device)
+    inputs = _few_slot_inputs(device, num_tokens, top_k, seed=num_tokens * 10 + top_k)
     # GEMM1 and GEMM2 tiles of other widths, N and K tails, TMA on one of them
     two = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1),
                         GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1, tma=True))
-    fused = dataclasses.replace(two, fused=True)
-    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, device)
-    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    ws = Workspace(num_tokens, FEW_CASE[0], top_k, FEW_CASE[1], FEW_CASE[2], torch.float32, device)
+    views = ws.views(num_tokens, FEW_CASE[0], top_k, FEW_CASE[1], FEW_CASE[2])
     views.num_blocks.fill_(7)
-    nv = torch.tensor(0, device=device)
-    for num_valid in range(num_tokens + 1):
-        nv.fill_(num_valid)
-        x = clean_x.clone()
-        x[num_valid:] = math.nan
-        outs, dropped = [], []
-        for cfg in (two, fused):
-            health = new_health_tensor(device)
-            outs.append(experts_triton(x, w13, w2, weights, ids, activation="silu",
-                                       num_valid=_nv(NumValid(None, nv), num_tokens, device), health=health,
-                                       workspace=ws, out=poisoned(x.shape, torch.float32, device),
-                                       config=cfg, few_config=cfg))
-            dropped.append(int(health[DROPPED_SLOTS]))
-            assert int(views.few_sync.count_nonzero()) == 0, f"num_valid={num_valid}: counters left set"
-        assert_equal(outs[1], outs[0], what=f"num_valid={num_valid}: fused vs two launches")
-        assert_equal(outs[1][num_valid:], torch.zeros_like(outs[1][num_valid:]))
-        expected = experts_reference(clean_x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None))
-        _assert_matches(device, outs[1], expected, what=f"num_valid={num_valid}")
-        expected_dropped = dispatch_reference(ids, num_experts, NumValid(num_valid, None)).dropped
-        assert dropped[1] == dropped[0] == expected_dropped, f"num_valid={num_valid}"
+
+    def run(fused: bool, x: torch.Tensor, nv: NumValid, health: torch.Tensor) -> torch.Tensor:
+        cfg = dataclasses.replace(two, fused=fused)
+        out = experts_triton(x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
+                             num_valid=nv, health=health, workspace=ws,
+                             out=poisoned(x.shape, torch.float32, device), config=cfg, few_config=cfg)
+        assert int(views.few_sync.count_nonzero()) == 0, "counters left set"
+        return out
+
+    _same_bits_every_num_valid(device, inputs, run, "fused vs two launches")
     assert len(calls) == num_tokens + 1
     assert views.num_blocks.tolist() == [7, 7], "a few-slot bucket launched dispatch"
 
@@ -562,34 +597,19 @@ def test_ids_complete_gives_the_same_bits(device: str, num_tokens: int, top_k: i
     few-slot bucket, fused or not, and inside a larger bucket (T = 24, K = 2)."""
     import dataclasses
 
-    gen = torch.Generator().manual_seed(num_tokens * 100 + top_k)
-    num_experts, hidden, inter = 6, 48, 40
-    w13, w2 = (w.to(device) for w in _weights(num_experts, hidden, inter, torch.float32, gen))
-    clean_x = torch.randn(num_tokens, hidden, generator=gen).to(device)
-    weights = torch.rand(num_tokens, top_k, generator=gen).to(device)
-    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
+    inputs = _few_slot_inputs(device, num_tokens, top_k, seed=num_tokens * 100 + top_k)
     tiles = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1),
                           GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1), fused=fused)
     big = dataclasses.replace(tiles, block_m=32) if num_tokens * top_k > 16 else None
-    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, device)
-    nv = torch.tensor(0, device=device)
-    for num_valid in range(num_tokens + 1):
-        nv.fill_(num_valid)
-        x = clean_x.clone()
-        x[num_valid:] = math.nan
-        outs, dropped = [], []
-        for complete in (False, True):
-            health = new_health_tensor(device)
-            outs.append(experts_triton(x, w13, w2, weights, ids, activation="silu",
-                                       num_valid=NumValid(None, nv), health=health, workspace=ws,
-                                       out=poisoned(x.shape, torch.float32, device), config=big or tiles,
-                                       few_config=tiles, ids_complete=complete))
-            dropped.append(int(health[DROPPED_SLOTS]))
-        assert_equal(outs[1], outs[0], what=f"num_valid={num_valid}: ids_complete vs not")
-        assert_equal(outs[1][num_valid:], torch.zeros_like(outs[1][num_valid:]))
-        expected = experts_reference(clean_x, w13, w2, weights, ids, num_valid=NumValid(num_valid, None))
-        _assert_matches(device, outs[1], expected, what=f"num_valid={num_valid}")
-        assert dropped[0] == dropped[1], f"num_valid={num_valid}: dropped {dropped}"
+    ws = Workspace(num_tokens, FEW_CASE[0], top_k, FEW_CASE[1], FEW_CASE[2], torch.float32, device)
+
+    def run(complete: bool, x: torch.Tensor, nv: NumValid, health: torch.Tensor) -> torch.Tensor:
+        return experts_triton(x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
+                              num_valid=nv, health=health, workspace=ws,
+                              out=poisoned(x.shape, torch.float32, device), config=big or tiles,
+                              few_config=tiles, ids_complete=complete)
+
+    _same_bits_every_num_valid(device, inputs, run, "ids_complete vs not")
 
 
 @interpreter_only(INTERPRETER_ONLY)
