@@ -17,7 +17,8 @@ How it searches (per model shape and token bucket T):
    process then finds them in Triton's on-disk cache.
 3. Timing: `safemoe.bench.harness.time_graph`, the whole `experts_triton` call (dispatch, GEMM1,
    GEMM2, combine) under CUDA-graph replay, rotating 4 routing sets (uniform random routing) so
-   weights come from HBM, num_valid as a device tensor (as in a captured model).
+   weights come from HBM, num_valid as a device tensor (as in a captured model), the ids passed as
+   complete (`ids_complete`: every row written, as `moe()`'s router leaves them).
    GEMM1 candidates are timed with the base GEMM2, then GEMM2 candidates with the best GEMM1, per
    BLOCK_M, then TMA weight loads for each GEMM (`pdl` is on up to PDL_MAX_TOKENS).
    From T = 1024 the persistent grid's programs per SM (1, 2, 4, 8) too. The incumbent (what
@@ -749,6 +750,8 @@ class Case:
                     small_config=small,
                     few_config=few_tiles,
                     fp8=self.fp8,
+                    # every row's ids written (torch.topk), as moe()'s router leaves them
+                    ids_complete=True,
                 )
                 return
             views = self.ws.views(self.num_tokens, num_experts, top_k, hidden, inter)
