@@ -1342,28 +1342,28 @@ def experts_triton(
     merged = small_config if small_config is not None and config.one_launch else None
     separate = small_config if merged is None else None
     if few is not None and few.only and config.fused:
+        # GEMM1 and GEMM2 in one launch (ExpertsConfig.fused)
         few_gemms_into(x, w13, w2, weights, views, activation, few, use_pdl=use_pdl)
-        combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
-        return out
-    gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl, fp8=operands,
-               rowwise=rowwise)
-    if separate is not None:
-        gemm1_into(x, w13, views, top_k, activation, separate, layout=1, max_tokens=small_tokens,
-                   use_pdl=use_pdl, fp8=operands)
-    if operands is not None:
-        positions = max_m_blocks(num_tokens, num_experts, top_k, config.block_m) * config.block_m
-        small_block_m = 0
-        if small_config is not None:
-            small_block_m = small_config.block_m
-            small_blocks = max_m_blocks(small_tokens, num_experts, top_k, small_block_m)
-            positions = max(positions, small_blocks * small_block_m)
-        quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
-                                operands.group or inter, views.sorted_slots, views.num_blocks, config.block_m,
-                                small_block_m, positions, use_pdl=use_pdl)
-    gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
-               fp8=operands, rowwise=rowwise)
-    if separate is not None:
-        gemm2_into(w2, weights, views, num_tokens, top_k, separate, layout=1, max_tokens=small_tokens,
-                   use_pdl=use_pdl, fp8=operands)
+    else:
+        gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl,
+                   fp8=operands, rowwise=rowwise)
+        if separate is not None:
+            gemm1_into(x, w13, views, top_k, activation, separate, layout=1, max_tokens=small_tokens,
+                       use_pdl=use_pdl, fp8=operands)
+        if operands is not None:
+            positions = max_m_blocks(num_tokens, num_experts, top_k, config.block_m) * config.block_m
+            small_block_m = 0
+            if small_config is not None:
+                small_block_m = small_config.block_m
+                small_blocks = max_m_blocks(small_tokens, num_experts, top_k, small_block_m)
+                positions = max(positions, small_blocks * small_block_m)
+            quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
+                                    operands.group or inter, views.sorted_slots, views.num_blocks,
+                                    config.block_m, small_block_m, positions, use_pdl=use_pdl)
+        gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
+                   fp8=operands, rowwise=rowwise)
+        if separate is not None:
+            gemm2_into(w2, weights, views, num_tokens, top_k, separate, layout=1, max_tokens=small_tokens,
+                       use_pdl=use_pdl, fp8=operands)
     combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
     return out
