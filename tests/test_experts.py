@@ -612,6 +612,39 @@ def test_ids_complete_gives_the_same_bits(device: str, num_tokens: int, top_k: i
     _same_bits_every_num_valid(device, inputs, run, "ids_complete vs not")
 
 
+@pytest.mark.memcheck
+def test_interleaved_gate_up_tile_matches(device: str) -> None:
+    """GEMM1's `interleave` (gate and up rows as the even and odd columns of one weight tile, one
+    MMA a K step) matches the two-accumulator tiles and the reference (the wider product may sum a
+    K step in another order: not bitwise), K and N tails included
+    (H not a multiple of BLOCK_K, I of BLOCK_N), for a device num_valid of 0, 1, some and all
+    rows with NaN padding rows; padded rows are exact zeros. With TMA asked for too, the weights
+    come through pointers (interleave needs them)."""
+    import dataclasses
+
+    cpu = device == "cpu"
+    num_tokens, num_experts, top_k, hidden, inter = (70, 4, 2, 80, 40) if cpu else (300, 8, 2, 200, 176)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    x, w13, w2, weights, ids = _draw(device, num_tokens, num_experts, top_k, hidden, inter, dtype, seed=41)
+    block_m, stages = (16, 1) if cpu else (64, 3)
+    plain = ExpertsConfig(block_m, GemmTiles(block_n=32, block_k=64, group_m=2, num_stages=stages),
+                          GemmTiles(block_n=32, block_k=32, group_m=2, num_stages=stages))
+    variants = [dataclasses.replace(plain, gemm1=dataclasses.replace(plain.gemm1, interleave=True, tma=tma))
+                for tma in (False, True)]
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, dtype, device)
+    for count in (0, 1, 37, num_tokens):
+        padded = x.clone()
+        padded[count:] = math.nan
+        nv = _nv(torch.tensor(count, device=device), num_tokens, device)
+        results = [_run(padded, w13, w2, weights, ids, num_valid=nv, workspace=ws, config=cfg,
+                        out=poisoned(x.shape, dtype, device)) for cfg in (plain, *variants)]
+        for got in results[1:]:
+            _assert_matches(device, got, results[0], f"interleave vs two accumulators, num_valid={count}")
+            assert_equal(got[count:], torch.zeros_like(got[count:]))
+        _assert_matches(device, results[1], _reference(padded, w13, w2, weights, ids, num_valid=count),
+                        f"interleave, num_valid={count}")
+
+
 @interpreter_only(INTERPRETER_ONLY)
 def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bucket with T*K > 16 runs its GEMMs apart whatever `fused` says (a batch there may need

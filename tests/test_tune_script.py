@@ -483,6 +483,62 @@ def test_main_fused_only_writes_decisions(monkeypatch, tmp_path):
         tune.main([*argv, "--no-fused"])
 
 
+def test_interleave_candidates_and_rule():
+    """GEMM1 interleaved (pointer loads) at the entry's stages and one fewer (never below 2); the
+    fastest is kept only when it beats the entry by more than INTERLEAVE_MARGIN."""
+    tune = _load()
+    entry = ExpertsConfig(128, GemmTiles(128, 64, num_stages=4, tma=True), GemmTiles(256, 64))
+    candidates = tune.interleave_candidates(entry)
+    assert list(candidates) == ["entry", "interleave_s4", "interleave_s3"]
+    for name in ("interleave_s4", "interleave_s3"):
+        gemm1 = candidates[name].gemm1
+        assert gemm1.interleave and not gemm1.tma and gemm1.block_n == 128
+        assert candidates[name].gemm2 == entry.gemm2
+    assert candidates["interleave_s3"].gemm1.num_stages == 3
+    two = ExpertsConfig(128, GemmTiles(128, 64, num_stages=2), GemmTiles(256, 64))
+    assert list(tune.interleave_candidates(two)) == ["entry", "interleave_s2"]
+    margin = tune.INTERLEAVE_MARGIN
+    assert tune.choose_interleave({"entry": 100.0, "a": 100.0 * (1 - margin) - 0.01, "b": 101.0}) == "a"
+    assert tune.choose_interleave({"entry": 100.0, "a": 100.0 * (1 - margin) + 0.01}) == "entry"
+    assert tune.choose_interleave({"entry": 100.0, "a": 98.0, "b": 97.0}) == "b"
+
+
+def test_main_interleave_only_writes_decisions(monkeypatch, tmp_path):
+    """--interleave-only times the table's prefill entries (T >= INTERLEAVE_MIN_TOKENS) against their
+    GEMM1 interleaved, ONE_LAUNCH_ROUNDS interleaved rounds, and writes the winner's GEMM1 with the
+    medians; smaller buckets and every other field stay as they were."""
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    prefill = ExpertsConfig(128, GemmTiles(128, 64, num_stages=4, tma=True), GemmTiles(256, 64),
+                            one_launch=True)
+    entries = {"64": _cfg(32).to_json(), "2048": {**prefill.to_json(), "us": 900.0},
+               "8192": prefill.to_json()}
+    path.write_text(json.dumps({"date": "old", "notes": "kept", "configs": {key: entries}}))
+    # T=2048: interleaved at 3 stages wins by 4%; T=8192: by 0.5% only (the entry stays)
+    times = {2048: {(False, 4): 100.0, (True, 4): 98.0, (True, 3): 96.0},
+             8192: {(False, 4): 400.0, (True, 4): 398.0, (True, 3): 401.0}}
+    calls = []
+
+    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
+        calls.append(self.num_tokens)
+        return times[self.num_tokens][(cfg.gemm1.interleave, cfg.gemm1.num_stages)]
+
+    monkeypatch.setattr(tune.Case, "time", fake_time)
+    out = tmp_path / "out"
+    assert tune.main(["--out", str(out), "--shapes", "tiny", "--interleave-only", "--write"]) == 0
+    data = json.loads(path.read_text())
+    assert data["date"] == "old" and data["notes"] == "kept" and "interleave_run" in data
+    written = data["configs"][key]
+    assert written["64"] == entries["64"]
+    won = ExpertsConfig.from_json(written["2048"])
+    assert won.gemm1 == GemmTiles(128, 64, num_stages=3, interleave=True) and won.one_launch
+    assert written["2048"]["us"] == 900.0
+    assert written["2048"]["interleave_us"] == {"entry": 100.0, "interleave_s4": 98.0, "interleave_s3": 96.0}
+    assert ExpertsConfig.from_json(written["8192"]).gemm1 == prefill.gemm1
+    assert sorted(calls) == [2048] * 9 + [8192] * 9
+
+
 def test_fp8_candidates_follow_the_weight_mode():
     """Block mode steps K inside one 128-wide scale group; per-tensor keeps the wider K steps; no
     fp8 candidate carries the few-slot path (it takes no fp8 weights)."""

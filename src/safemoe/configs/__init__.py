@@ -61,6 +61,8 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False  # weight tiles through TMA descriptors (Hopper+; else pointer loads)
+    # GEMM1, pointer loads only: gate and up rows as one [block_k, 2 block_n] tile, one MMA a K step
+    interleave: bool = False
 
 
 @dataclass(frozen=True)

@@ -281,10 +281,14 @@ def _gemm1_tile(
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+    INTERLEAVE: tl.constexpr = False,
 ):
     """One GEMM1 tile: intermediate rows `rows` (columns of N-block n_block) from the x rows of
     `slots` (-1: a masked row, neither loaded nor stored) and expert `expert`'s w13 (arguments as
-    in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K])."""
+    in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K]). INTERLEAVE (bf16/
+    fp16/fp32 weights through pointers): gate and up rows as the even and odd columns of ONE
+    [BLOCK_K, 2 BLOCK_N] weight tile and one dot per K step (one 2 BLOCK_N-wide MMA instead of two
+    BLOCK_N-wide ones reading the same A tile), split after the K loop."""
     row_ok = slots >= 0
     tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -306,7 +310,26 @@ def _gemm1_tile(
         up_scale_rows = w_scales + up_blocks * w_scale_row_stride
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_TMA:
+    if INTERLEAVE:
+        pair = tl.arange(0, 2 * BLOCK_N)
+        # even columns: gate row c, odd: up row c (c = n_block * BLOCK_N + pair // 2, wrapped as w_cols)
+        w_rows = ((n_block * BLOCK_N + pair // 2) % inter + (pair % 2) * inter).to(tl.int64)
+        b_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_rows[None, :] * hidden + ks[:, None]
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = ks < hidden - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = _mma(acc, _operand(a, UPCAST), _operand(b, UPCAST), 0.0, 0, k, BLOCK_K, 0, DOT_PRECISION,
+                       ROWWISE)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    elif USE_TMA:
         # Boxes past an expert's rows read the next rows (columns never stored), past the
         # tensor or past H zeros (the descriptor's bounds).
         gate_row = expert * 2 * inter + n_block * BLOCK_N
@@ -335,6 +358,7 @@ def _gemm1_tiles(
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+    INTERLEAVE: tl.constexpr = False,
 ):
     """GEMM1's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows of the dispatch
     layout with one set of tiles."""
@@ -345,7 +369,7 @@ def _gemm1_tiles(
         _gemm1_tile(x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
                     hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
                     w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE)
 
 
 @triton.jit
@@ -382,10 +406,10 @@ def _gemm1_layout_tiles(
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, HAS_SMALL: tl.constexpr,
     SMALL_BLOCK_M: tl.constexpr, SMALL_BLOCK_N: tl.constexpr, SMALL_BLOCK_K: tl.constexpr,
     SMALL_GROUP_M: tl.constexpr, SMALL_EVEN_K: tl.constexpr, SMALL_USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """GEMM1 over the dispatch layout: the main tiles, or (HAS_SMALL) the small-batch ones when
-    dispatch built their layout."""
+    dispatch built their layout (INTERLEAVE: the main tiles')."""
     num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
     if HAS_SMALL:
         # Dispatch built one of the two layouts (its block_end is the one in block_end_ptr) and set
@@ -402,13 +426,13 @@ def _gemm1_layout_tiles(
                          w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
                          w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                          TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                         DOT_PRECISION, USE_TMA, ROWWISE)
+                         DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE)
     else:
         _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
                      w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
                      w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                      TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                     DOT_PRECISION, USE_TMA, ROWWISE)
+                     DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE)
 
 
 @triton.jit
@@ -456,6 +480,7 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
+    INTERLEAVE: tl.constexpr,  # one [BLOCK_K, 2 BLOCK_N] gate/up weight tile per K step (_gemm1_tile)
     # tunable: small-batch tiles (layout 1), used when HAS_SMALL and num_blocks[1] > 0
     HAS_SMALL: tl.constexpr,
     SMALL_BLOCK_M: tl.constexpr,
@@ -495,7 +520,7 @@ def _gemm1_kernel(
                                 w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION,
                                 NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA,
                                 HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
-                                SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE)
+                                SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE, INTERLEAVE)
     else:
         _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr,
                             x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride,
@@ -503,7 +528,7 @@ def _gemm1_kernel(
                             up_scale_row, up_scale_offset, TOP_K, ACTIVATION, NUM_BINS, QUANT, UPCAST,
                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M,
                             SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA,
-                            DOT_PRECISION, ROWWISE)
+                            DOT_PRECISION, ROWWISE, INTERLEAVE)
 
 
 @triton.jit
@@ -1063,6 +1088,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
         QUANT=quant, UPCAST=_upcast(a.dtype), **meta,
+        INTERLEAVE=tiles.interleave and quant == 0 and not meta["USE_TMA"],
         HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
         HAS_HEALTH=health is not None,
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
