@@ -58,11 +58,12 @@ How it searches (per model shape and token bucket T):
    T = 1 +2-9%), so it is a per-bucket choice. --fused-only does this step alone for the device
    table's entries (tiles kept).
 5b. interleave (--interleave-only, for the device table's bf16 entries of INTERLEAVE_MIN_TOKENS
-   tokens and more): GEMM1's gate and up rows as one weight tile and one MMA a K step
-   (`GemmTiles.interleave`, pointer loads), at the entry's stages and one fewer, timed against the
-   entry for ONE_LAUNCH_ROUNDS interleaved rounds; the fastest median is kept when faster than the
-   entry's by more than INTERLEAVE_MARGIN (`choose_interleave`). H100 2026-11-26 (prefill, T =
-   8192, experts only): DeepSeek-V3 -4.3%, gpt-oss -2.0%, Qwen3 -0.9%, Mixtral -1.2% (3 stages).
+   tokens and more, or the buckets --tokens names): GEMM1's gate and up rows as one weight tile
+   and one MMA a K step (`GemmTiles.interleave`, pointer loads), at the entry's stages and one
+   fewer, timed against the entry for ONE_LAUNCH_ROUNDS interleaved rounds; the fastest median is
+   kept when faster than the entry's by more than INTERLEAVE_MARGIN (`choose_interleave`). H100
+   2026-11-26 (prefill, T = 8192, experts only): DeepSeek-V3 -4.3%, gpt-oss -2.0%, Qwen3 -0.9%,
+   Mixtral -1.2% (3 stages).
 6. fp8 weights (--quant per_tensor or block): the same search on e4m3 weights quantised from the
    stand-in bf16 ones (`safemoe.fp8.quantize_experts`), x bf16, under the shape's fp8 key
    (`E.._fp8-{quant}`, what `get_config(..., quant=...)` reads). Block mode's candidates keep
@@ -1240,7 +1241,7 @@ def decide_interleave(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
 
 def interleave_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     """--interleave-only: GEMM1's interleave decided for the device table's bf16 entries of at least
-    INTERLEAVE_MIN_TOKENS tokens (--tokens: those buckets), every other field kept."""
+    INTERLEAVE_MIN_TOKENS tokens (--tokens: those buckets, any size), every other field kept."""
     device = torch.device("cuda", torch.cuda.current_device())
     device_name = torch.cuda.get_device_name(device)
     path = device_file(device_name)
@@ -1253,8 +1254,8 @@ def interleave_only(args: argparse.Namespace, names: list[str], start: float) ->
         num_experts, top_k, hidden, inter = SHAPES[name]
         key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
         entries = table.get(key, {})
-        buckets = sorted(int(b) for b in entries if int(b) >= INTERLEAVE_MIN_TOKENS
-                         and (chosen is None or int(b) in chosen))
+        buckets = sorted(int(b) for b in entries
+                         if (int(b) >= INTERLEAVE_MIN_TOKENS if chosen is None else int(b) in chosen))
         print(f"{name}: interleave timed at T = {buckets} ({key} in {path})", flush=True)
         w13, w2 = make_weights(name, device)
         configs = {b: ExpertsConfig.from_json(entries[str(b)]) for b in buckets}

@@ -537,6 +537,13 @@ def test_main_interleave_only_writes_decisions(monkeypatch, tmp_path):
     assert written["2048"]["interleave_us"] == {"entry": 100.0, "interleave_s4": 98.0, "interleave_s3": 96.0}
     assert ExpertsConfig.from_json(written["8192"]).gemm1 == prefill.gemm1
     assert sorted(calls) == [2048] * 9 + [8192] * 9
+    calls.clear()
+    times[64] = {(False, 4): 50.0, (True, 4): 51.0, (True, 3): 52.0}
+    entries["64"] = {**prefill.to_json(), "block_m": 32}
+    path.write_text(json.dumps({"configs": {key: entries}}))
+    argv = ["--out", str(out), "--shapes", "tiny", "--interleave-only", "--tokens", "64"]
+    assert tune.main(argv) == 0  # --tokens: any bucket, here a decode one
+    assert calls == [64] * 9
 
 
 def test_fp8_candidates_follow_the_weight_mode():
