@@ -59,11 +59,11 @@ How it searches (per model shape and token bucket T):
    table's entries (tiles kept).
 5b. interleave (--interleave-only, for the device table's bf16 entries of INTERLEAVE_MIN_TOKENS
    tokens and more, or the buckets --tokens names): GEMM1's gate and up rows as one weight tile
-   and one MMA a K step (`GemmTiles.interleave`, pointer loads), at the entry's stages and one
-   fewer, timed against the entry for ONE_LAUNCH_ROUNDS interleaved rounds; the fastest median is
-   kept when faster than the entry's by more than INTERLEAVE_MARGIN (`choose_interleave`). H100
-   2026-11-26 (prefill, T = 8192, experts only): DeepSeek-V3 -4.3%, gpt-oss -2.0%, Qwen3 -0.9%,
-   Mixtral -1.2% (3 stages).
+   and one MMA a K step (`GemmTiles.interleave`; weights through pointers and through TMA), each
+   at the entry's stages and one fewer, timed against the entry for ONE_LAUNCH_ROUNDS interleaved
+   rounds; the fastest median is kept when faster than the entry's by more than
+   INTERLEAVE_MARGIN (`choose_interleave`). H100 2026-11-26 (prefill, T = 8192, experts only,
+   pointer loads): DeepSeek-V3 -4.3%, gpt-oss -2.0%, Qwen3 -0.9%, Mixtral -1.2% (3 stages).
 6. fp8 weights (--quant per_tensor or block): the same search on e4m3 weights quantised from the
    stand-in bf16 ones (`safemoe.fp8.quantize_experts`), x bf16, under the shape's fp8 key
    (`E.._fp8-{quant}`, what `get_config(..., quant=...)` reads). Block mode's candidates keep
@@ -1207,11 +1207,13 @@ def run_fused(name: str, w13: torch.Tensor, w2: torch.Tensor, configs: dict[int,
 
 
 def interleave_candidates(cfg: ExpertsConfig) -> dict[str, ExpertsConfig]:
-    """The entry and its GEMM1 interleaved (pointer loads) at its stages and at one fewer."""
+    """The entry and its GEMM1 interleaved, weights through pointers and through TMA (an
+    [E, I, 2, H] view), each at the entry's stages and at one fewer."""
     candidates = {"entry": cfg}
-    for stages in sorted({cfg.gemm1.num_stages, max(2, cfg.gemm1.num_stages - 1)}, reverse=True):
-        gemm1 = replace(cfg.gemm1, tma=False, interleave=True, num_stages=stages)
-        candidates[f"interleave_s{stages}"] = replace(cfg, gemm1=gemm1)
+    for tma in (False, True):
+        for stages in sorted({cfg.gemm1.num_stages, max(2, cfg.gemm1.num_stages - 1)}, reverse=True):
+            gemm1 = replace(cfg.gemm1, tma=tma, interleave=True, num_stages=stages)
+            candidates[f"interleave{'_tma' if tma else ''}_s{stages}"] = replace(cfg, gemm1=gemm1)
     return candidates
 
 

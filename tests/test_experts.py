@@ -618,8 +618,8 @@ def test_interleaved_gate_up_tile_matches(device: str) -> None:
     MMA a K step) matches the two-accumulator tiles and the reference (the wider product may sum a
     K step in another order: not bitwise), K and N tails included
     (H not a multiple of BLOCK_K, I of BLOCK_N), for a device num_valid of 0, 1, some and all
-    rows with NaN padding rows; padded rows are exact zeros. With TMA asked for too, the weights
-    come through pointers (interleave needs them)."""
+    rows with NaN padding rows; padded rows are exact zeros. Weights through pointers and through
+    a TMA descriptor over w13 seen as [E, I, 2, H] (zero-filled past I and H)."""
     import dataclasses
 
     cpu = device == "cpu"

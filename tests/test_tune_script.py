@@ -489,14 +489,14 @@ def test_interleave_candidates_and_rule():
     tune = _load()
     entry = ExpertsConfig(128, GemmTiles(128, 64, num_stages=4, tma=True), GemmTiles(256, 64))
     candidates = tune.interleave_candidates(entry)
-    assert list(candidates) == ["entry", "interleave_s4", "interleave_s3"]
-    for name in ("interleave_s4", "interleave_s3"):
-        gemm1 = candidates[name].gemm1
-        assert gemm1.interleave and not gemm1.tma and gemm1.block_n == 128
-        assert candidates[name].gemm2 == entry.gemm2
-    assert candidates["interleave_s3"].gemm1.num_stages == 3
+    assert list(candidates) == ["entry", "interleave_s4", "interleave_s3", "interleave_tma_s4",
+                                "interleave_tma_s3"]
+    for name, candidate in list(candidates.items())[1:]:
+        gemm1 = candidate.gemm1
+        assert gemm1.interleave and gemm1.tma == ("tma" in name) and gemm1.block_n == 128
+        assert gemm1.num_stages == int(name[-1]) and candidate.gemm2 == entry.gemm2
     two = ExpertsConfig(128, GemmTiles(128, 64, num_stages=2), GemmTiles(256, 64))
-    assert list(tune.interleave_candidates(two)) == ["entry", "interleave_s2"]
+    assert list(tune.interleave_candidates(two)) == ["entry", "interleave_s2", "interleave_tma_s2"]
     margin = tune.INTERLEAVE_MARGIN
     assert tune.choose_interleave({"entry": 100.0, "a": 100.0 * (1 - margin) - 0.01, "b": 101.0}) == "a"
     assert tune.choose_interleave({"entry": 100.0, "a": 100.0 * (1 - margin) + 0.01}) == "entry"
@@ -522,7 +522,9 @@ def test_main_interleave_only_writes_decisions(monkeypatch, tmp_path):
 
     def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
         calls.append(self.num_tokens)
-        return times[self.num_tokens][(cfg.gemm1.interleave, cfg.gemm1.num_stages)]
+        # the entry has TMA; interleaved with TMA costs 1 us more than through pointers here
+        interleaved_tma = cfg.gemm1.interleave and cfg.gemm1.tma
+        return times[self.num_tokens][(cfg.gemm1.interleave, cfg.gemm1.num_stages)] + interleaved_tma
 
     monkeypatch.setattr(tune.Case, "time", fake_time)
     out = tmp_path / "out"
@@ -534,16 +536,17 @@ def test_main_interleave_only_writes_decisions(monkeypatch, tmp_path):
     won = ExpertsConfig.from_json(written["2048"])
     assert won.gemm1 == GemmTiles(128, 64, num_stages=3, interleave=True) and won.one_launch
     assert written["2048"]["us"] == 900.0
-    assert written["2048"]["interleave_us"] == {"entry": 100.0, "interleave_s4": 98.0, "interleave_s3": 96.0}
+    assert written["2048"]["interleave_us"] == {"entry": 100.0, "interleave_s4": 98.0, "interleave_s3": 96.0,
+                                                "interleave_tma_s4": 99.0, "interleave_tma_s3": 97.0}
     assert ExpertsConfig.from_json(written["8192"]).gemm1 == prefill.gemm1
-    assert sorted(calls) == [2048] * 9 + [8192] * 9
+    assert sorted(calls) == [2048] * 15 + [8192] * 15
     calls.clear()
     times[64] = {(False, 4): 50.0, (True, 4): 51.0, (True, 3): 52.0}
     entries["64"] = {**prefill.to_json(), "block_m": 32}
     path.write_text(json.dumps({"configs": {key: entries}}))
     argv = ["--out", str(out), "--shapes", "tiny", "--interleave-only", "--tokens", "64"]
     assert tune.main(argv) == 0  # --tokens: any bucket, here a decode one
-    assert calls == [64] * 9
+    assert calls == [64] * 15
 
 
 def test_fp8_candidates_follow_the_weight_mode():

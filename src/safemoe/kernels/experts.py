@@ -314,16 +314,26 @@ def _gemm1_tile(
         pair = tl.arange(0, 2 * BLOCK_N)
         # even columns: gate row c, odd: up row c (c = n_block * BLOCK_N + pair // 2, wrapped as w_cols)
         w_rows = ((n_block * BLOCK_N + pair // 2) % inter + (pair % 2) * inter).to(tl.int64)
-        b_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_rows[None, :] * hidden + ks[:, None]
+        if USE_TMA:
+            b_ptrs = ks  # unused
+        else:
+            b_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_rows[None, :] * hidden + ks[:, None]
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(hidden, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < hidden - k * BLOCK_K)[None, :], other=0.0)
+            if USE_TMA:
+                # w13_arg: a descriptor over w13 seen as [E, I, 2, H] (_interleaved_operand): its
+                # [1, BLOCK_N, 2, BLOCK_K] box holds gate row c and up row c next to each other
+                # (zeros past I and H)
+                b = tl.reshape(w13_arg.load([expert, n_block * BLOCK_N, 0, k * BLOCK_K]),
+                               (2 * BLOCK_N, BLOCK_K)).T
+            elif EVEN_K:
                 b = tl.load(b_ptrs)
             else:
-                k_ok = ks < hidden - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=(ks < hidden - k * BLOCK_K)[:, None], other=0.0)
             acc = _mma(acc, _operand(a, UPCAST), _operand(b, UPCAST), 0.0, 0, k, BLOCK_K, 0, DOT_PRECISION,
                        ROWWISE)
             a_ptrs += BLOCK_K
@@ -901,6 +911,18 @@ def _weight_operand(weight: torch.Tensor, tiles: GemmTiles) -> object:
     return descriptor(weight, [num_experts * rows, cols], [cols, 1], [tiles.block_n, tiles.block_k])
 
 
+def _interleaved_operand(w13: torch.Tensor, tiles: GemmTiles) -> object:
+    """w13 [E, 2I, H] (contiguous) for GEMM1's interleave with TMA: a descriptor over it seen as
+    [E, I, 2, H] (strides 2IH, H, IH, 1), whose [1, block_n, 2, block_k] boxes put gate row c and
+    up row c of an expert next to each other; zeros past I and H."""
+    descriptor = _tensor_descriptor_class()
+    assert descriptor is not None
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    return descriptor(w13, [num_experts, inter, 2, hidden], [two_inter * hidden, hidden, inter * hidden, 1],
+                      [1, tiles.block_n, 2, tiles.block_k])
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: IEEE fp32 products (the default would be tf32, off the reference's tolerance).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -1075,10 +1097,14 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
                          up_aligned=split or inter % FP8_BLOCK == 0)
     few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     health = few.health if few is not None else None
+    interleave = tiles.interleave and quant == 0
+    # interleave with TMA: gate and up rows side by side in one box ([E, I, 2, H] view)
+    w13_arg = _interleaved_operand(w13, tiles) if interleave and meta["USE_TMA"] else _weight_operand(
+        w13, tiles)
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
     # (few-slot path: over (expert routed to, N-block) tiles)
     _gemm1_kernel[(grid,)](
-        a, _weight_operand(w13, tiles), small_arg, few_arg, views.sorted_slots, views.block_end,
+        a, w13_arg, small_arg, few_arg, views.sorted_slots, views.block_end,
         views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"],
         health if health is not None else views.num_blocks,
         a_scale, w_scale,
@@ -1088,7 +1114,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
         QUANT=quant, UPCAST=_upcast(a.dtype), **meta,
-        INTERLEAVE=tiles.interleave and quant == 0 and not meta["USE_TMA"],
+        INTERLEAVE=interleave,
         HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
         HAS_HEALTH=health is not None,
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
