@@ -1241,21 +1241,32 @@ def decide_interleave(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
     return candidates[choose_interleave(med)], med
 
 
-def interleave_only(args: argparse.Namespace, names: list[str], start: float) -> int:
-    """--interleave-only: GEMM1's interleave decided for the device table's bf16 entries of at least
-    INTERLEAVE_MIN_TOKENS tokens (--tokens: those buckets, any size), every other field kept."""
+def _device_table() -> tuple[torch.device, str, Path, dict[str, Any]]:
+    """(device, its name, its device file, that file's "configs") for the *-only runs, which
+    re-decide one field of the table's entries."""
     device = torch.device("cuda", torch.cuda.current_device())
     device_name = torch.cuda.get_device_name(device)
     path = device_file(device_name)
-    table = json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
+    return device, device_name, path, json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
+
+
+def _bf16_entries(table: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
+    """(the shape's bf16 key, its entries in the device table's "configs")."""
+    num_experts, top_k, hidden, inter = SHAPES[name]
+    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+    return key, table.get(key, {})
+
+
+def interleave_only(args: argparse.Namespace, names: list[str], start: float) -> int:
+    """--interleave-only: GEMM1's interleave decided for the device table's bf16 entries of at least
+    INTERLEAVE_MIN_TOKENS tokens (--tokens: those buckets, any size), every other field kept."""
+    device, device_name, path, table = _device_table()
     chosen = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
     deadline = time.time() + args.budget_s
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
     for name in names:
-        num_experts, top_k, hidden, inter = SHAPES[name]
-        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
-        entries = table.get(key, {})
+        key, entries = _bf16_entries(table, name)
         buckets = sorted(int(b) for b in entries
                          if (int(b) >= INTERLEAVE_MIN_TOKENS if chosen is None else int(b) in chosen))
         print(f"{name}: interleave timed at T = {buckets} ({key} in {path})", flush=True)
@@ -1453,18 +1464,13 @@ def main(argv: list[str] | None = None) -> int:
 def one_launch_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     """--one-launch-only: one_launch re-decided for the device table's entries of `names`, their
     tiles and every other field kept (the device file's metadata too: its tiles are that run's)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    device_name = torch.cuda.get_device_name(device)
-    path = device_file(device_name)
-    table = json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
+    device, device_name, path, table = _device_table()
     buckets = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
     plans: dict[str, OneLaunchPlan] = {}
     for name in names:
-        num_experts, top_k, hidden, inter = SHAPES[name]
-        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
-        entries = table.get(key, {})
+        key, entries = _bf16_entries(table, name)
         configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
         plans[name] = one_launch_targets(name, configs, device, buckets)
         print(
@@ -1499,21 +1505,17 @@ def one_launch_only(args: argparse.Namespace, names: list[str], start: float) ->
 def fused_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     """--fused-only: fused re-decided for the device table's few-slot entries of `names`, their
     tiles and every other field kept."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    device_name = torch.cuda.get_device_name(device)
-    path = device_file(device_name)
-    table = json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
+    device, device_name, path, table = _device_table()
     buckets = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
     deadline = time.time() + args.budget_s
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
     for name in names:
-        num_experts, top_k, hidden, inter = SHAPES[name]
-        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
-        entries = table.get(key, {})
+        key, entries = _bf16_entries(table, name)
         configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()
                    if buckets is None or int(b) in buckets}
-        print(f"{name}: fused timed at T = {fused_buckets(configs, top_k)} ({key} in {path})", flush=True)
+        timed = fused_buckets(configs, SHAPES[name][1])
+        print(f"{name}: fused timed at T = {timed} ({key} in {path})", flush=True)
         w13, w2 = make_weights(name, device)
         for bucket, (choice, med) in run_fused(name, w13, w2, configs, log, deadline).items():
             entry = {**entries[str(bucket)], "fused": choice, "fused_us": med}

@@ -40,6 +40,20 @@ def shape_named(prefix: str) -> tuple[int, int, int, int, str]:
     return SHAPES[names[0]]
 
 
+def stand_ins(prefix: str, num_tokens: int, input_sets: int, device: torch.device,
+              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(w13, w2, `input_sets` x tensors [T, H]) of the bench shape `prefix`, bf16, drawn from `gen`
+    (weights scaled by 1/sqrt of their reduction): what the debug A/B scripts time."""
+    num_experts, _, hidden, inter, _ = shape_named(prefix)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
+    w13.mul_(hidden**-0.5)
+    w2.mul_(inter**-0.5)
+    xs = [torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+          for _ in range(input_sets)]  # fmt: skip
+    return w13, w2, xs
+
+
 def layer_step(prefix: str, num_tokens: int, num_valid: int,
                device: torch.device) -> Callable[[int], torch.Tensor]:
     """`safemoe.moe` of the bench shape `prefix` (seeded bf16 weights scaled by 1/sqrt of their
@@ -47,12 +61,7 @@ def layer_step(prefix: str, num_tokens: int, num_valid: int,
     workspace) on input set j: the step both A/B scripts time under graph replay."""
     num_experts, top_k, hidden, inter, activation = shape_named(prefix)
     gen = torch.Generator(device=device).manual_seed(0)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
-    w13.mul_(hidden**-0.5)
-    w2.mul_(inter**-0.5)
-    xs = [torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-          for _ in range(VARIANTS)]  # fmt: skip
+    w13, w2, xs = stand_ins(prefix, num_tokens, VARIANTS, device, gen)
     logits = [torch.randn(num_tokens, num_experts, device=device, dtype=torch.bfloat16, generator=gen)
               for _ in range(VARIANTS)]  # fmt: skip
     nv = torch.tensor(num_valid, dtype=torch.int32, device=device)

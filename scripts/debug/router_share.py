@@ -14,7 +14,7 @@ import argparse
 import statistics
 
 import torch
-from ab_entry import shape_named  # scripts/debug is on sys.path when run as a script
+from ab_entry import shape_named, stand_ins  # scripts/debug is on sys.path when run as a script
 
 import safemoe
 from safemoe._checks import check_num_valid
@@ -29,12 +29,7 @@ def measure(prefix: str, num_tokens: int, rounds: int) -> None:
     num_experts, top_k, hidden, inter, activation = shape_named(prefix)
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(0)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen)
-    w13.mul_(hidden**-0.5)
-    w2.mul_(inter**-0.5)
-    xs = [torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-          for _ in range(INPUT_SETS)]  # fmt: skip
+    w13, w2, xs = stand_ins(prefix, num_tokens, INPUT_SETS, device, gen)
     logits = [torch.randn(num_tokens, num_experts, device=device, dtype=torch.bfloat16, generator=gen)
               for _ in range(INPUT_SETS)]  # fmt: skip
     nv_tensor = torch.tensor(num_tokens, dtype=torch.int32, device=device)
