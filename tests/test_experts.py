@@ -317,6 +317,8 @@ def test_experts_config_rejects_bad_fields() -> None:
         ExpertsConfig(16, tiles, GemmTiles(block_n=32, block_k=48))
     with pytest.raises(TypeError, match="one_launch must be a bool, got str"):
         ExpertsConfig(16, tiles, tiles, one_launch="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"gemm1\.interleave must be a bool, got int"):
+        ExpertsConfig(16, GemmTiles(block_n=32, block_k=32, interleave=1), tiles)  # type: ignore[arg-type]
     assert ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, one_launch=True).to_json()).one_launch
 
 

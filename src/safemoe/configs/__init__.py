@@ -102,6 +102,10 @@ class ExpertsConfig:
                 value = getattr(tiles, attr)
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"{name}.{attr} must be a power of two >= 16, got {value}")
+            for attr in ("tma", "interleave"):
+                flag_value = getattr(tiles, attr)
+                if not isinstance(flag_value, bool):
+                    raise TypeError(f"{name}.{attr} must be a bool, got {type(flag_value).__name__}")
         for flag in ("one_launch", "few", "fused"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
