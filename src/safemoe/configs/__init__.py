@@ -53,7 +53,9 @@ class GemmTiles:
     """Tiles of one expert GEMM. block_n spans the output columns (I for GEMM1, whose gate and up
     halves each get a block_n-wide accumulator; H for GEMM2), block_k the reduction. With `tma`
     the weight tiles come through TMA descriptors where the shape allows (rows of 16-byte
-    multiples), else through pointer loads."""
+    multiples), else through pointer loads. `interleave` (GEMM1, weights in x's dtype): the gate
+    and up rows as one [block_k, 2 block_n] tile and one MMA a K step instead of two (with `tma`
+    through a descriptor over w13 seen as [E, I, 2, H])."""
 
     block_n: int
     block_k: int
@@ -61,8 +63,7 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False  # weight tiles through TMA descriptors (Hopper+; else pointer loads)
-    # GEMM1, pointer loads only: gate and up rows as one [block_k, 2 block_n] tile, one MMA a K step
-    interleave: bool = False
+    interleave: bool = False  # GEMM1: gate and up rows as one tile, one MMA a K step
 
 
 @dataclass(frozen=True)

@@ -285,10 +285,11 @@ def _gemm1_tile(
 ):
     """One GEMM1 tile: intermediate rows `rows` (columns of N-block n_block) from the x rows of
     `slots` (-1: a masked row, neither loaded nor stored) and expert `expert`'s w13 (arguments as
-    in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K]). INTERLEAVE (bf16/
-    fp16/fp32 weights through pointers): gate and up rows as the even and odd columns of ONE
-    [BLOCK_K, 2 BLOCK_N] weight tile and one dot per K step (one 2 BLOCK_N-wide MMA instead of two
-    BLOCK_N-wide ones reading the same A tile), split after the K loop."""
+    in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K]). INTERLEAVE (QUANT
+    0): gate and up rows as the even and odd columns of ONE [BLOCK_K, 2 BLOCK_N] weight tile and
+    one dot per K step (one 2 BLOCK_N-wide MMA instead of two BLOCK_N-wide ones reading the same A
+    tile), split after the K loop; through pointers, or with USE_TMA through w13_arg, then a
+    descriptor over w13 seen as [E, I, 2, H] with [1, BLOCK_N, 2, BLOCK_K] boxes."""
     row_ok = slots >= 0
     tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
