@@ -51,7 +51,7 @@ def _timer(shape, num_tokens: int):
     ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, dev)
 
     def time_it(num_valid: int, one_launch: bool | None, few_bucket: int | None = None,
-                pps: int | None = None) -> float:
+                pps: int | None = None, few_pps: int | None = None, few_tiles: dict | None = None) -> float:
         nv = NumValid(None, torch.tensor(num_valid, device=dev, dtype=torch.int32))
         kwargs = {}
         if one_launch is not None:
@@ -62,10 +62,15 @@ def _timer(shape, num_tokens: int):
             few = ex.few_slots_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, dev, cfg)
             if few_bucket is not None:  # another bucket's tiles for the few-slot path
                 few = get_config(few_bucket, num_experts, hidden, inter, top_k, torch.bfloat16, dev)
-            kwargs = {"config": cfg,
-                      "small_config": ex.small_batch_config(num_tokens, num_experts, hidden, inter, top_k,
-                                                            torch.bfloat16, dev, cfg),
-                      "few_config": few}
+            if few_tiles is not None and few is not None:  # the few-slot tiles with these GemmTiles fields
+                few = replace(few, gemm1=replace(few.gemm1, **few_tiles.get("gemm1", {})),
+                              gemm2=replace(few.gemm2, **few_tiles.get("gemm2", {})))
+            small = ex.small_batch_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, dev,
+                                          cfg)
+            if few_pps is not None:  # the few-slot and small tiles' grids at this many programs per SM
+                few = few if few is None else replace(few, programs_per_sm=few_pps)
+                small = small if small is None else replace(small, programs_per_sm=few_pps)
+            kwargs = {"config": cfg, "small_config": small, "few_config": few}
 
         def step(j: int) -> None:
             ex.experts_triton(xs[j], w13, w2, weights[j], ids[j], activation=activation, num_valid=nv,
@@ -76,6 +81,19 @@ def _timer(shape, num_tokens: int):
     return time_it
 
 
+def occupancy_report() -> None:
+    """Each compiled GEMM kernel's warps, stages, shared memory, registers and the programs one SM
+    holds at once by those (Hopper: 228 KiB shared, 64K registers, 64 warps per SM)."""
+    for kernel in (ex._gemm1_kernel, ex._gemm2_kernel, ex._few_gemms_kernel):
+        for caches in getattr(kernel, "device_caches", {}).values():
+            for compiled in caches[0].values():
+                meta = compiled.metadata
+                shared, regs, warps = meta.shared, compiled.n_regs, meta.num_warps
+                per_sm = min(233472 // max(shared + 1024, 1), 65536 // max(regs * 32 * warps, 1), 64 // warps)
+                print(f"{kernel.fn.__name__}: warps {warps} stages {meta.num_stages} shared {shared} "
+                      f"regs {regs} -> {per_sm} per SM", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
@@ -83,8 +101,15 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--pps", default="",
                         help="comma-separated programs per SM to time the table's config at")
-    parser.add_argument("--few-bucket", type=int, default=0,
-                        help="also time one valid row with this bucket's tiles on the few-slot path")
+    parser.add_argument("--few-bucket", default="",
+                        help="also time one valid row with these buckets' tiles on the few-slot path "
+                             "(comma-separated), one_launch off and on")
+    parser.add_argument("--few-pps", default="",
+                        help="also time one valid row with the few-slot and small tiles' grids at these "
+                             "programs per SM (comma-separated), one_launch off and on")
+    parser.add_argument("--few-tiles", default="",
+                        help="also time one valid row with the few-slot tiles' GemmTiles fields replaced, "
+                             "';'-separated JSON objects {\"gemm1\": {...}, \"gemm2\": {...}}")
     args = parser.parse_args()
     rows = []
     print(f"{torch.cuda.get_device_name()}; us per experts_triton call (median, graph replay)", flush=True)
@@ -118,13 +143,25 @@ def main() -> None:
                 print(f"{name:9} T={num_tokens} one_launch={one_launch!s:5}: 1 valid {row['valid_1']:8.2f} "
                       f"({row['valid_1'] / one:.2f}x T=1)  8 valid {row['valid_8']:8.2f}  full "
                       f"{row[f'valid_{num_tokens}']:9.2f}", flush=True)
-            if args.few_bucket:
-                us = time_it(1, True, args.few_bucket)
-                rows.append({"shape": name, "tokens": num_tokens, "one_launch": True,
-                             "few_bucket": args.few_bucket, "valid_1": round(us, 2)})
-                print(f"{name:9} T={num_tokens} one_launch=True, few-slot tiles of T={args.few_bucket}: "
-                      f"1 valid {us:8.2f} ({us / one:.2f}x T=1)", flush=True)
+            few_buckets = [int(b) for b in args.few_bucket.split(",") if b] or [None]
+            few_pps_list = [None] + [int(p) for p in args.few_pps.split(",") if p]
+            few_variants = [(b, p, None) for b in few_buckets for p in few_pps_list if (b, p) != (None, None)]
+            few_variants += [(None, None, json.loads(t)) for t in args.few_tiles.split(";") if t]
+            for one_launch in (False, True):
+                for few_bucket, few_pps, few_tiles in few_variants:
+                    us = time_it(1, one_launch, few_bucket, few_pps=few_pps, few_tiles=few_tiles)
+                    rows.append({"shape": name, "tokens": num_tokens, "one_launch": one_launch,
+                                 "few_bucket": few_bucket, "few_pps": few_pps, "few_tiles": few_tiles,
+                                 "valid_1": round(us, 2)})
+                    if few_tiles is not None:
+                        print(f"{name:9} T={num_tokens} one_launch={one_launch!s:5} few-slot tiles "
+                              f"{few_tiles}: 1 valid {us:8.2f} ({us / one:.2f}x T=1)", flush=True)
+                        continue
+                    print(f"{name:9} T={num_tokens} one_launch={one_launch!s:5} few-slot tiles of "
+                          f"T={few_bucket} few/small pps={few_pps}: 1 valid {us:8.2f} ({us / one:.2f}x T=1)",
+                          flush=True)
             torch.cuda.empty_cache()
+    occupancy_report()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
