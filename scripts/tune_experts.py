@@ -157,6 +157,12 @@ FEW_MAX_TOKENS = 1024
 # +-1.3%), so only a real cost turns it down (there: Qwen3 T=256 +3.5%, DeepSeek-V3 T=2048 +4%),
 # while a padded decode step's ~5 us saving (~10% of Qwen3's) is well above it.
 ONE_LAUNCH_TOLERANCE = 0.01
+# An entry field naming why its one_launch was set by hand; --one-launch-only keeps such entries.
+# H100 2026-11-26, Qwen3 T = 1024: the rule above turned the merged launch down (experts only,
+# full batch +1.3%), while the whole layer, 5 interleaved rounds, gave one valid row 45.75 ->
+# 41.58 us (-9.1%), 8 rows -2.0%, a full batch +0.9% (scripts/debug/ab_entry.py): for the padding
+# target (a padded bucket replayed with one row) that trade is worth it, so the entry is pinned.
+ONE_LAUNCH_PIN = "one_launch_pinned"
 # Interleaved rounds of the four one_launch timings; each side's median is compared, so one slow
 # replay set cannot decide it.
 ONE_LAUNCH_ROUNDS = 3
@@ -1461,6 +1467,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _pinned_one_launch(name: str, bucket: int, entry: dict[str, Any]) -> bool:
+    """Whether an entry's one_launch was set by hand (`one_launch_pinned`: the reason, e.g. a
+    whole-layer A/B), which --one-launch-only keeps (printed); a full re-tune of the bucket writes
+    a fresh entry and decides again."""
+    reason = entry.get(ONE_LAUNCH_PIN)
+    if reason:
+        print(f"  {name} T={bucket}: one_launch={entry.get('one_launch')} kept, pinned: {reason}")
+    return bool(reason)
+
+
 def one_launch_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     """--one-launch-only: one_launch re-decided for the device table's entries of `names`, their
     tiles and every other field kept (the device file's metadata too: its tiles are that run's)."""
@@ -1472,7 +1488,9 @@ def one_launch_only(args: argparse.Namespace, names: list[str], start: float) ->
     for name in names:
         key, entries = _bf16_entries(table, name)
         configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
-        plans[name] = one_launch_targets(name, configs, device, buckets)
+        targets = one_launch_targets(name, configs, device, buckets)
+        plans[name] = {bucket: pair for bucket, pair in targets.items()
+                       if not _pinned_one_launch(name, bucket, entries[str(bucket)])}
         print(
             f"{name}: {len(entries)} entries for {key} in {path}, one_launch timed at T = {list(plans[name])}"
         )

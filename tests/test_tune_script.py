@@ -403,6 +403,26 @@ def test_main_one_launch_only_writes_decisions(monkeypatch, tmp_path):
     assert written["64"] == entries["64"] and "one_launch_us" in written["1024"]
 
 
+def test_main_one_launch_only_keeps_a_pinned_entry(monkeypatch, tmp_path, capsys):
+    """An entry whose one_launch was set by hand (`one_launch_pinned`, the reason) is neither timed
+    nor rewritten by --one-launch-only; the other buckets are decided as usual."""
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    pinned = {**_cfg(64).to_json(), "one_launch": True, tune.ONE_LAUNCH_PIN: "layer A/B"}
+    entries = {"8": _cfg(16).to_json(), "64": _cfg(32).to_json(), "1024": pinned}
+    path.write_text(json.dumps({"notes": "kept", "configs": {key: entries}}))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--shapes", "tiny", "--one-launch-only", "--no-precompile", "--write"]
+    assert tune.main(argv) == 0
+    written = json.loads(path.read_text())["configs"][key]
+    assert written["1024"] == pinned, "the pinned entry as it was (the fake timings would turn it off)"
+    assert "one_launch_us" in written["64"]
+    log = json.loads((out / "tune_log.json").read_text())["log"]
+    assert {e["T"] for e in log} == {64}
+    assert "T=1024: one_launch=True kept, pinned: layer A/B" in capsys.readouterr().out
+
+
 def test_main_tuning_decides_one_launch_after_the_tiles(monkeypatch, tmp_path):
     tune = _load()
     path = _fake_gpu(monkeypatch, tmp_path, tune)
