@@ -48,7 +48,8 @@ How it searches (per model shape and token bucket T):
    `choose_one_launch` (merged only when the two padded steps together get faster and the full
    batch is not slower by more than ONE_LAUNCH_TOLERANCE).
    --one-launch-only does this step alone for the entries already in the device table (tiles
-   kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning.
+   kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning; an entry
+   whose one_launch was set by hand carries `one_launch_pinned` (the reason) and is kept.
 5. fused (after one_launch; skip with --no-fused): every bucket whose every call takes the
    few-slot path (T*K <= FEW_SLOTS) is timed with GEMM1 and GEMM2 in two launches and in one
    (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians compared: fused only
