@@ -1,0 +1,48 @@
+"""Whole-layer timings of a list of cases under the `safemoe` on PYTHONPATH, for A/Bs of two
+source trees in one GPU call: run it once per tree and round, alternating (e.g. an old tree's
+`src` exported with `git archive` next to this one), and compare the medians it prints. Each case
+is `safemoe.moe` as `ab_entry.layer_step` builds it (bench shape, seeded weights, inputs and
+logits, num_valid as a device tensor, one workspace), timed under CUDA-graph replay.
+
+    PYTHONPATH=src:scripts/debug python scripts/debug/tree_ab.py LABEL qwen3:1 qwen3:1024:1 ... [--json F]
+
+Prints one line per case and, with --json, appends {label, case: us} to F. A measurement
+script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from ab_entry import VARIANTS, layer_step  # scripts/debug is on sys.path when run as a script
+
+from safemoe.bench.harness import time_graph
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("label")
+    parser.add_argument("cases", nargs="+", help="SHAPE:T[:NUM_VALID]")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    result: dict[str, object] = {"label": args.label}
+    for case in args.cases:
+        shape, tokens, *valid = case.split(":")
+        num_tokens = int(tokens)
+        step = layer_step(shape, num_tokens, int(valid[0]) if valid else num_tokens, device)
+        us = time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20)
+        result[case] = us
+        print(f"{args.label:6s} {case:16s} {us:9.2f} us", flush=True)
+        del step
+        torch.cuda.empty_cache()
+    if args.json:
+        with args.json.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
