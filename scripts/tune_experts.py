@@ -1134,12 +1134,13 @@ Decision = TypeVar("Decision")
 
 
 def decide_per_bucket(name: str, w13: torch.Tensor, w2: torch.Tensor, buckets: list[int], what: str,
-                      decide: Callable[[Case], Decision | None]) -> dict[int, Decision]:
-    """decide(case) for a Case at T = each bucket; a bucket whose decision could not be measured
-    (budget spent, a timing failed) is reported and left out (its flag stays off)."""
+                      decide: Callable[[Case], Decision | None], fp8: Any = None) -> dict[int, Decision]:
+    """decide(case) for a Case at T = each bucket (fp8: the Fp8Weights of fp8 w13 and w2); a
+    bucket whose decision could not be measured (budget spent, a timing failed) is reported and
+    left out (its flag stays off)."""
     decided: dict[int, Decision] = {}
     for bucket in buckets:
-        case = Case(name, w13, w2, bucket)
+        case = Case(name, w13, w2, bucket, fp8=fp8)
         result = decide(case)
         del case
         if result is None:
@@ -1257,34 +1258,39 @@ def _device_table() -> tuple[torch.device, str, Path, dict[str, Any]]:
     return device, device_name, path, json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
 
 
-def _bf16_entries(table: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
-    """(the shape's bf16 key, its entries in the device table's "configs")."""
+def _bf16_entries(table: dict[str, Any], name: str, quant: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(the shape's bf16 key, or its fp8 `quant` key, and its entries in the device table's
+    "configs")."""
     num_experts, top_k, hidden, inter = SHAPES[name]
-    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16, quant)
     return key, table.get(key, {})
 
 
 def interleave_only(args: argparse.Namespace, names: list[str], start: float) -> int:
-    """--interleave-only: GEMM1's interleave decided for the device table's bf16 entries of at least
-    INTERLEAVE_MIN_TOKENS tokens (--tokens: those buckets, any size), every other field kept."""
+    """--interleave-only: GEMM1's interleave decided for the device table's bf16 entries (with
+    --quant per_tensor: its fp8 per-tensor entries, timed on quantised stand-in weights) of at
+    least INTERLEAVE_MIN_TOKENS tokens (--tokens: those buckets, any size), every other field kept."""
     device, device_name, path, table = _device_table()
     chosen = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
     deadline = time.time() + args.budget_s
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
     for name in names:
-        key, entries = _bf16_entries(table, name)
+        key, entries = _bf16_entries(table, name, args.quant)
         buckets = sorted(int(b) for b in entries
                          if (int(b) >= INTERLEAVE_MIN_TOKENS if chosen is None else int(b) in chosen))
         print(f"{name}: interleave timed at T = {buckets} ({key} in {path})", flush=True)
         w13, w2 = make_weights(name, device)
+        fp8 = None
+        if args.quant is not None:
+            w13, w2, fp8 = quantize_weights(w13, w2, args.quant)
         configs = {b: ExpertsConfig.from_json(entries[str(b)]) for b in buckets}
 
         def decide(case: Case, configs: dict[int, ExpertsConfig] = configs
                    ) -> tuple[ExpertsConfig, dict[str, float]] | None:
             return decide_interleave(case, configs[case.num_tokens], log, deadline)
 
-        decided = decide_per_bucket(name, w13, w2, buckets, "interleave", decide)
+        decided = decide_per_bucket(name, w13, w2, buckets, "interleave", decide, fp8)
         for bucket, (kept, med) in decided.items():
             entry = {**entries[str(bucket)], "gemm1": kept.to_json()["gemm1"], "interleave_us": med}
             winners.setdefault(key, {})[str(bucket)] = entry
@@ -1298,7 +1304,10 @@ def interleave_only(args: argparse.Namespace, names: list[str], start: float) ->
               "entry's stages and one fewer, full batches under CUDA-graph replay, medians of "
               f"{ONE_LAUNCH_ROUNDS} interleaved rounds (interleave_us), kept when faster by more than "
               f"{INTERLEAVE_MARGIN:.0%}")
-    return _finish_table_only(args, device_name, "interleave", method, winners, log, start)
+    what = "interleave" if args.quant is None else f"fp8_{args.quant}_interleave"
+    if args.quant is not None:
+        method += f"; fp8 {args.quant} weights (quantize_experts of the stand-in bf16 ones)"
+    return _finish_table_only(args, device_name, what, method, winners, log, start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1356,6 +1365,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--one-launch-only re-decides bf16 entries; --quant tunes without one_launch")
     if args.fused_only and (args.one_launch_only or args.no_fused or args.quant):
         parser.error("--fused-only re-decides fused alone, for bf16 entries")
+    if args.interleave_only and args.quant == "block":
+        parser.error("--interleave-only: fp8 block mode runs GEMM1 without interleave (bf16 and per_tensor)")
     names = [n for n in args.shapes.split(",") if n]
     unknown = [n for n in names if n not in SHAPES]
     if unknown or not names:

@@ -569,6 +569,39 @@ def test_main_interleave_only_writes_decisions(monkeypatch, tmp_path):
     assert calls == [64] * 15
 
 
+def test_main_interleave_only_fp8_per_tensor_entries(monkeypatch, tmp_path):
+    """--interleave-only --quant per_tensor decides the fp8 per-tensor key's entries, timed on
+    quantised weights (every Case carries them), and records its run under its own name; the bf16
+    entries stay as written. Block mode, whose GEMM1 runs no interleave, is a usage error."""
+    from types import SimpleNamespace
+
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    fake_fp8 = SimpleNamespace(mode="per_tensor")
+    monkeypatch.setattr(tune, "quantize_weights", lambda w13, w2, quant: (w13, w2, fake_fp8))
+    bf16_key, fp8_key = "E4_H64_I32_K2_bfloat16", "E4_H64_I32_K2_bfloat16_fp8-per_tensor"
+    prefill = ExpertsConfig(128, GemmTiles(128, 64, num_stages=4), GemmTiles(256, 64))
+    entries = {"8192": prefill.to_json()}
+    path.write_text(json.dumps({"configs": {bf16_key: entries, fp8_key: entries}}))
+    seen = []
+
+    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
+        seen.append(self.fp8)
+        return 90.0 if cfg.gemm1.interleave and not cfg.gemm1.tma and cfg.gemm1.num_stages == 4 else 100.0
+
+    monkeypatch.setattr(tune.Case, "time", fake_time)
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "tiny", "--interleave-only", "--write"]
+    assert tune.main([*argv, "--quant", "per_tensor"]) == 0
+    data = json.loads(path.read_text())
+    assert "fp8_per_tensor_interleave_run" in data and "interleave_run" not in data
+    assert ExpertsConfig.from_json(data["configs"][fp8_key]["8192"]).gemm1 == GemmTiles(128, 64, num_stages=4,
+                                                                                          interleave=True)
+    assert data["configs"][bf16_key] == entries
+    assert seen and all(fp8 is fake_fp8 for fp8 in seen)
+    with pytest.raises(SystemExit):
+        tune.main([*argv, "--quant", "block"])
+
+
 def test_fp8_candidates_follow_the_weight_mode():
     """Block mode steps K inside one 128-wide scale group; per-tensor keeps the wider K steps; no
     fp8 candidate carries the few-slot path (it takes no fp8 weights)."""

@@ -8,7 +8,11 @@ TFLOP/s. A measurement script, not a test. (Its predecessor probed `flatten` and
 bench/results/logs/prefill_levers_flatten-a_tma_reverted_NVIDIA-H100_2026-11-26.txt.)
 
     PYTHONPATH=src python3 scripts/debug/gemm1_interleave_probe.py [--shapes qwen3,mixtral]
-        [--tokens 2048,8192] [--compile-only]
+        [--tokens 2048,8192] [--compile-only] [--quant block|per_tensor]
+
+With --quant: the stand-in weights quantised to fp8 (safemoe.quantize_experts), the device table's
+fp8 entry (`get_config(..., quant=)`), and GEMM1 interleaved as the table has it (pointers or
+TMA), through pointers, and at one stage fewer.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from ab_entry import shape_named, stand_ins  # scripts/debug is on sys.path when run as a script
 
 import safemoe
-from safemoe._checks import check_num_valid
+from safemoe._checks import check_fp8_weights, check_num_valid
 from safemoe.bench.harness import time_graph
 from safemoe.configs import ExpertsConfig, GemmTiles, get_config
 from safemoe.kernels.experts import experts_triton
@@ -35,9 +39,18 @@ def _tiles(tiles: GemmTiles, **flags: object) -> GemmTiles:
     return dataclasses.replace(tiles, **flags)
 
 
-def variants(base: ExpertsConfig) -> dict[str, ExpertsConfig]:
-    """The table's config, its GEMM1 through pointers (interleave needs them), and interleaved."""
+def variants(base: ExpertsConfig, quant: str | None = None) -> dict[str, ExpertsConfig]:
+    """The table's config, its GEMM1 through pointers (interleave needs them), and interleaved (fp8:
+    interleaved as the table loads the weights, through pointers, and at one stage fewer)."""
     g1 = base.gemm1
+    if quant is not None:
+        return {
+            "table": base,
+            "interleave1": dataclasses.replace(base, gemm1=_tiles(g1, interleave=True)),
+            "interleave1-ptr": dataclasses.replace(base, gemm1=_tiles(g1, interleave=True, tma=False)),
+            "interleave1-s-1": dataclasses.replace(base, gemm1=_tiles(g1, interleave=True,
+                                                                       num_stages=g1.num_stages - 1)),
+        }
     return {
         "table": base,
         "pointers1": dataclasses.replace(base, gemm1=_tiles(g1, tma=False)),
@@ -49,29 +62,33 @@ def variants(base: ExpertsConfig) -> dict[str, ExpertsConfig]:
     }
 
 
-def probe(prefix: str, num_tokens: int, rounds: int, compile_only: bool) -> None:
+def probe(prefix: str, num_tokens: int, rounds: int, compile_only: bool, quant: str | None = None) -> None:
     num_experts, top_k, hidden, inter, activation = shape_named(prefix)
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     w13, w2, xs = stand_ins(prefix, num_tokens, INPUT_SETS, device, gen)
+    fp8 = None
+    if quant is not None:
+        q13, q2, s13, s2 = safemoe.quantize_experts(w13, w2, quant)
+        w13, w2, fp8 = q13, q2, check_fp8_weights(q13, q2, s13, s2)
     routings = [safemoe.route(torch.randn(num_tokens, num_experts, device=device, dtype=torch.bfloat16,
                                           generator=gen), top_k) for _ in range(INPUT_SETS)]
     nv = check_num_valid(None, num_tokens, device)
-    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device, fp8=fp8 is not None)
     outs = [torch.empty(num_tokens, hidden, device=device, dtype=torch.bfloat16) for _ in range(INPUT_SETS)]
     flops = 2 * num_tokens * top_k * 3 * hidden * inter
-    base = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+    base = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device, quant)
     print(f"\n{prefix} T={num_tokens}: table config {base.to_json()}", flush=True)
 
     def step_for(cfg: ExpertsConfig):
         def step(j: int) -> torch.Tensor:
             r = routings[j]
             return experts_triton(xs[j], w13, w2, r.weights, r.ids, activation=activation, num_valid=nv,
-                                  health=None, workspace=ws, out=outs[j], config=cfg)
+                                  health=None, workspace=ws, out=outs[j], config=cfg, fp8=fp8)
         return step
 
     steps, reference = {}, None
-    for name, cfg in variants(base).items():
+    for name, cfg in variants(base, quant).items():
         try:
             got = step_for(cfg)(0).clone()
             torch.cuda.synchronize()
@@ -103,6 +120,7 @@ def probe(prefix: str, num_tokens: int, rounds: int, compile_only: bool) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
+    parser.add_argument("--quant", choices=("block", "per_tensor"), default=None)
     parser.add_argument("--tokens", default="8192")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile-only", action="store_true",
@@ -111,7 +129,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for prefix in args.shapes.split(","):
         for num_tokens in (int(t) for t in args.tokens.split(",")):
-            probe(prefix, num_tokens, args.rounds, args.compile_only)
+            probe(prefix, num_tokens, args.rounds, args.compile_only, args.quant)
 
 
 if __name__ == "__main__":

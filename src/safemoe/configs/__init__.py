@@ -53,9 +53,10 @@ class GemmTiles:
     """Tiles of one expert GEMM. block_n spans the output columns (I for GEMM1, whose gate and up
     halves each get a block_n-wide accumulator; H for GEMM2), block_k the reduction. With `tma`
     the weight tiles come through TMA descriptors where the shape allows (rows of 16-byte
-    multiples), else through pointer loads. `interleave` (GEMM1, weights in x's dtype): the gate
-    and up rows as one [block_k, 2 block_n] tile and one MMA a K step instead of two (with `tma`
-    through a descriptor over w13 seen as [E, I, 2, H])."""
+    multiples), else through pointer loads. `interleave` (GEMM1, weights in x's dtype or fp8
+    per-tensor; fp8 block mode ignores it): the gate and up rows as one [block_k, 2 block_n] tile
+    and one MMA a K step instead of two (with `tma` through a descriptor over w13 seen as
+    [E, I, 2, H])."""
 
     block_n: int
     block_k: int

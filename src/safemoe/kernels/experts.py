@@ -286,7 +286,7 @@ def _gemm1_tile(
     """One GEMM1 tile: intermediate rows `rows` (columns of N-block n_block) from the x rows of
     `slots` (-1: a masked row, neither loaded nor stored) and expert `expert`'s w13 (arguments as
     in _gemm1_kernel; w13_arg's boxes, if a descriptor, are [BLOCK_N, BLOCK_K]). INTERLEAVE (QUANT
-    0): gate and up rows as the even and odd columns of ONE [BLOCK_K, 2 BLOCK_N] weight tile and
+    0 or 1): gate and up rows as the even and odd columns of ONE [BLOCK_K, 2 BLOCK_N] weight tile and
     one dot per K step (one 2 BLOCK_N-wide MMA instead of two BLOCK_N-wide ones reading the same A
     tile), split after the K loop; through pointers, or with USE_TMA through w13_arg, then a
     descriptor over w13 seen as [E, I, 2, H] with [1, BLOCK_N, 2, BLOCK_K] boxes."""
@@ -335,6 +335,7 @@ def _gemm1_tile(
                 b = tl.load(b_ptrs)
             else:
                 b = tl.load(b_ptrs, mask=(ks < hidden - k * BLOCK_K)[:, None], other=0.0)
+            # QUANT 0 or 1 (fp8 per-tensor: dequantised after the loop, as the two accumulators are)
             acc = _mma(acc, _operand(a, UPCAST), _operand(b, UPCAST), 0.0, 0, k, BLOCK_K, 0, DOT_PRECISION,
                        ROWWISE)
             a_ptrs += BLOCK_K
@@ -1098,7 +1099,10 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
                          up_aligned=split or inter % FP8_BLOCK == 0)
     few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     health = few.health if few is not None else None
-    interleave = tiles.interleave and quant == 0
+    # Not in fp8 block mode: promoting each K step of the interleaved product needs a per-column
+    # scale vector (gate's and up's interleaved), 1.7-1.9x slower at T = 8192 on an H100
+    # (docs/experts.md); per-tensor mode dequantises after the loop, like bf16.
+    interleave = tiles.interleave and quant <= 1
     # interleave with TMA: gate and up rows side by side in one box ([E, I, 2, H] view)
     w13_arg = _interleaved_operand(w13, tiles) if interleave and meta["USE_TMA"] else _weight_operand(
         w13, tiles)
