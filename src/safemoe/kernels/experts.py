@@ -1100,8 +1100,8 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
     few_args = few.kernel_args() if few is not None else _no_few_args(views.sorted_slots, num_tokens)
     health = few.health if few is not None else None
     # Not in fp8 block mode: promoting each K step of the interleaved product needs a per-column
-    # scale vector (gate's and up's interleaved), 1.7-1.9x slower at T = 8192 on an H100
-    # (docs/experts.md); per-tensor mode dequantises after the loop, like bf16.
+    # scale vector and a fresh [BLOCK_M, 2 BLOCK_N] product beside the accumulator, 1.5-1.9x slower
+    # at T = 8192 on an H100 (docs/experts.md); per-tensor mode dequantises after the loop, like bf16.
     interleave = tiles.interleave and quant <= 1
     # interleave with TMA: gate and up rows side by side in one box ([E, I, 2, H] view)
     w13_arg = _interleaved_operand(w13, tiles) if interleave and meta["USE_TMA"] else _weight_operand(
