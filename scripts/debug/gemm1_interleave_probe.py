@@ -10,6 +10,10 @@ bench/results/logs/prefill_levers_flatten-a_tma_reverted_NVIDIA-H100_2026-11-26.
     PYTHONPATH=src python3 scripts/debug/gemm1_interleave_probe.py [--shapes qwen3,mixtral]
         [--tokens 2048,8192] [--compile-only] [--quant block|per_tensor]
 
+With --variants JSON: instead, the table's config and each named override of it, e.g.
+'{"g1s4": {"gemm1": {"num_stages": 4}}, "pps4": {"programs_per_sm": 4}}' (GemmTiles fields under
+"gemm1"/"gemm2", ExpertsConfig fields at the top).
+
 With --quant: the stand-in weights quantised to fp8 (safemoe.quantize_experts), the device table's
 fp8 entry (`get_config(..., quant=)`), and GEMM1 interleaved as the table has it (pointers or
 TMA), through pointers, and at one stage fewer.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import traceback
 
@@ -39,10 +44,19 @@ def _tiles(tiles: GemmTiles, **flags: object) -> GemmTiles:
     return dataclasses.replace(tiles, **flags)
 
 
-def variants(base: ExpertsConfig, quant: str | None = None) -> dict[str, ExpertsConfig]:
+def variants(base: ExpertsConfig, quant: str | None = None,
+             overrides: dict[str, dict] | None = None) -> dict[str, ExpertsConfig]:
     """The table's config, its GEMM1 through pointers (interleave needs them), and interleaved (fp8:
-    interleaved as the table loads the weights, through pointers, and at one stage fewer)."""
+    interleaved as the table loads the weights, through pointers, and at one stage fewer); with
+    `overrides`, the table's config and each named override of it instead."""
     g1 = base.gemm1
+    if overrides:
+        out = {"table": base}
+        for name, fields in overrides.items():
+            top = {k: v for k, v in fields.items() if k not in ("gemm1", "gemm2")}
+            out[name] = dataclasses.replace(base, gemm1=_tiles(base.gemm1, **fields.get("gemm1", {})),
+                                            gemm2=_tiles(base.gemm2, **fields.get("gemm2", {})), **top)
+        return out
     if quant is not None:
         return {
             "table": base,
@@ -62,7 +76,8 @@ def variants(base: ExpertsConfig, quant: str | None = None) -> dict[str, Experts
     }
 
 
-def probe(prefix: str, num_tokens: int, rounds: int, compile_only: bool, quant: str | None = None) -> None:
+def probe(prefix: str, num_tokens: int, rounds: int, compile_only: bool, quant: str | None = None,
+          overrides: dict[str, dict] | None = None) -> None:
     num_experts, top_k, hidden, inter, activation = shape_named(prefix)
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -88,7 +103,7 @@ def probe(prefix: str, num_tokens: int, rounds: int, compile_only: bool, quant: 
         return step
 
     steps, reference = {}, None
-    for name, cfg in variants(base, quant).items():
+    for name, cfg in variants(base, quant, overrides).items():
         try:
             got = step_for(cfg)(0).clone()
             torch.cuda.synchronize()
@@ -121,6 +136,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3,mixtral,gptoss,deepseek")
     parser.add_argument("--quant", choices=("block", "per_tensor"), default=None)
+    parser.add_argument("--variants", type=json.loads, default=None,
+                        help="JSON {name: overrides} timed against the table's config instead")
     parser.add_argument("--tokens", default="8192")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile-only", action="store_true",
@@ -129,7 +146,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for prefix in args.shapes.split(","):
         for num_tokens in (int(t) for t in args.tokens.split(",")):
-            probe(prefix, num_tokens, args.rounds, args.compile_only, args.quant)
+            probe(prefix, num_tokens, args.rounds, args.compile_only, args.quant, args.variants)
 
 
 if __name__ == "__main__":
