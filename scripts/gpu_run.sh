@@ -14,7 +14,9 @@
 #   TESTS_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT   limits in seconds (SANITIZE_TIMEOUT per pass)
 #   PYTEST_TARGETS  what pytest collects (default: tests)
 #   PYTEST_ARGS     extra pytest arguments (e.g. "-k router"; "-n 8 --test-shard 1/2": half the suite,
-#                   tests/conftest.py, for a suite longer than one device call)
+#                   tests/conftest.py, for a suite longer than one device call; with -n 8 on one
+#                   80 GB GPU the big-shape tests of test_experts.py can run out of memory together,
+#                   H100 2026-11-26: they pass alone)
 #   BENCH_SUITE_TIMEOUT  seconds allowed per bench suite (default: no limit of its own)
 #   SERVING_TIMEOUT / SERVING_ARGS  limit of the serving stage (420 s) and extra arguments of
 #                   `python -m safemoe.bench.serving` (e.g. "--layers 8 --concurrency 1,64,256")
