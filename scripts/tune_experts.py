@@ -1258,7 +1258,7 @@ def _device_table() -> tuple[torch.device, str, Path, dict[str, Any]]:
     return device, device_name, path, json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
 
 
-def _bf16_entries(table: dict[str, Any], name: str, quant: str | None = None) -> tuple[str, dict[str, Any]]:
+def _shape_entries(table: dict[str, Any], name: str, quant: str | None = None) -> tuple[str, dict[str, Any]]:
     """(the shape's bf16 key, or its fp8 `quant` key, and its entries in the device table's
     "configs")."""
     num_experts, top_k, hidden, inter = SHAPES[name]
@@ -1276,7 +1276,7 @@ def interleave_only(args: argparse.Namespace, names: list[str], start: float) ->
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
     for name in names:
-        key, entries = _bf16_entries(table, name, args.quant)
+        key, entries = _shape_entries(table, name, args.quant)
         buckets = sorted(int(b) for b in entries
                          if (int(b) >= INTERLEAVE_MIN_TOKENS if chosen is None else int(b) in chosen))
         print(f"{name}: interleave timed at T = {buckets} ({key} in {path})", flush=True)
@@ -1498,7 +1498,7 @@ def one_launch_only(args: argparse.Namespace, names: list[str], start: float) ->
     winners: dict[str, dict[str, Any]] = {}
     plans: dict[str, OneLaunchPlan] = {}
     for name in names:
-        key, entries = _bf16_entries(table, name)
+        key, entries = _shape_entries(table, name)
         configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
         targets = one_launch_targets(name, configs, device, buckets)
         plans[name] = {bucket: pair for bucket, pair in targets.items()
@@ -1541,7 +1541,7 @@ def fused_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
     for name in names:
-        key, entries = _bf16_entries(table, name)
+        key, entries = _shape_entries(table, name)
         configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()
                    if buckets is None or int(b) in buckets}
         timed = fused_buckets(configs, SHAPES[name][1])
