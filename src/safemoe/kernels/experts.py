@@ -234,6 +234,28 @@ def _few_tile_rows(tile, num_n_blocks, slot, expert, rank):
 
 
 @triton.jit
+def _k_step_rows(a_ptrs, row_ok, ks, k, reduction, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K step k's A tile [BLOCK_M, BLOCK_K] at a_ptrs: rows outside row_ok and (without EVEN_K)
+    columns past the reduction read as 0, never loaded."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < reduction - k * BLOCK_K)[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _k_step_weights(w_ptrs, ks, k, reduction, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K step k's weight tile [BLOCK_K, N] at w_ptrs (pointer loads): without EVEN_K, rows past the
+    reduction read as 0."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=(ks < reduction - k * BLOCK_K)[:, None], other=0.0)
+    return w
+
+
+@triton.jit
 def _two_weight_tiles(
     a_ptrs, row_ok, a_scale_rows, w_arg, w0_ptrs, w1_ptrs, w0_row, w1_row, w0_scales, w1_scales, reduction,
     acc0, acc1, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -246,20 +268,13 @@ def _two_weight_tiles(
     [BLOCK_K, N] (w0_row/w1_row unused); w0_scales/w1_scales are _mma's weight-scale pointers."""
     ks = tl.arange(0, BLOCK_K)
     for k in range(0, tl.cdiv(reduction, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            k_ok = ks < reduction - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = _k_step_rows(a_ptrs, row_ok, ks, k, reduction, BLOCK_K, EVEN_K)
         if USE_TMA:
             b0 = w_arg.load([w0_row, k * BLOCK_K]).T
             b1 = w_arg.load([w1_row, k * BLOCK_K]).T
-        elif EVEN_K:
-            b0 = tl.load(w0_ptrs)
-            b1 = tl.load(w1_ptrs)
         else:
-            b0 = tl.load(w0_ptrs, mask=(ks < reduction - k * BLOCK_K)[:, None], other=0.0)
-            b1 = tl.load(w1_ptrs, mask=(ks < reduction - k * BLOCK_K)[:, None], other=0.0)
+            b0 = _k_step_weights(w0_ptrs, ks, k, reduction, BLOCK_K, EVEN_K)
+            b1 = _k_step_weights(w1_ptrs, ks, k, reduction, BLOCK_K, EVEN_K)
         a = _operand(a, UPCAST)
         a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
         b0 = _operand(b0, UPCAST)
@@ -315,31 +330,25 @@ def _gemm1_tile(
         pair = tl.arange(0, 2 * BLOCK_N)
         # even columns: gate row c, odd: up row c (c = n_block * BLOCK_N + pair // 2, wrapped as w_cols)
         w_rows = ((n_block * BLOCK_N + pair // 2) % inter + (pair % 2) * inter).to(tl.int64)
-        if USE_TMA:
-            b_ptrs = ks  # unused
-        else:
+        if not USE_TMA:
             b_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_rows[None, :] * hidden + ks[:, None]
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < hidden - k * BLOCK_K)[None, :], other=0.0)
+            a = _k_step_rows(a_ptrs, row_ok, ks, k, hidden, BLOCK_K, EVEN_K)
             if USE_TMA:
                 # w13_arg: a descriptor over w13 seen as [E, I, 2, H] (_interleaved_operand): its
                 # [1, BLOCK_N, 2, BLOCK_K] box holds gate row c and up row c next to each other
                 # (zeros past I and H)
                 b = tl.reshape(w13_arg.load([expert, n_block * BLOCK_N, 0, k * BLOCK_K]),
                                (2 * BLOCK_N, BLOCK_K)).T
-            elif EVEN_K:
-                b = tl.load(b_ptrs)
             else:
-                b = tl.load(b_ptrs, mask=(ks < hidden - k * BLOCK_K)[:, None], other=0.0)
+                b = _k_step_weights(b_ptrs, ks, k, hidden, BLOCK_K, EVEN_K)
             # QUANT 0 or 1 (fp8 per-tensor: dequantised after the loop, as the two accumulators are)
             acc = _mma(acc, _operand(a, UPCAST), _operand(b, UPCAST), 0.0, 0, k, BLOCK_K, 0, DOT_PRECISION,
                        ROWWISE)
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+            if not USE_TMA:
+                b_ptrs += BLOCK_K
         acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     elif USE_TMA:
         # Boxes past an expert's rows read the next rows (columns never stored), past the
@@ -571,11 +580,7 @@ def _gemm2_tile(
     if USE_TMA:
         w_row = expert * hidden + n_block * BLOCK_N
         for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < inter - k * BLOCK_K)[None, :], other=0.0)
-            a = _operand(a, UPCAST)
+            a = _operand(_k_step_rows(a_ptrs, row_ok, ks, k, inter, BLOCK_K, EVEN_K), UPCAST)
             b = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
             a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
             acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
@@ -583,15 +588,8 @@ def _gemm2_tile(
     else:
         b_ptrs = w2_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
         for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = ks < inter - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            a = _operand(a, UPCAST)
-            b = _operand(b, UPCAST)
+            a = _operand(_k_step_rows(a_ptrs, row_ok, ks, k, inter, BLOCK_K, EVEN_K), UPCAST)
+            b = _operand(_k_step_weights(b_ptrs, ks, k, inter, BLOCK_K, EVEN_K), UPCAST)
             a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
             acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
             a_ptrs += BLOCK_K
