@@ -65,6 +65,11 @@ How it searches (per model shape and token bucket T):
    rounds; the fastest median is kept when faster than the entry's by more than
    INTERLEAVE_MARGIN (`choose_interleave`). H100 2026-11-26 (prefill, T = 8192, experts only,
    pointer loads): DeepSeek-V3 -4.3%, gpt-oss -2.0%, Qwen3 -0.9%, Mixtral -1.2% (3 stages).
+5c. programs (--programs-only, for the device table's bf16 decode entries: `programs_buckets`): the
+   persistent grid at PROGRAMS_CANDIDATES programs per SM against the entry's, ONE_LAUNCH_ROUNDS
+   interleaved rounds; the fastest median is kept when faster than the entry's by more than
+   PROGRAMS_MARGIN and the padded steps that run the bucket's tiles stay within
+   ONE_LAUNCH_TOLERANCE (`check_dependents`). The full search varies the grid from T = 1024 only.
 6. fp8 weights (--quant per_tensor or block): the same search on e4m3 weights quantised from the
    stand-in bf16 ones (`safemoe.fp8.quantize_experts`), x bf16, under the shape's fp8 key
    (`E.._fp8-{quant}`, what `get_config(..., quant=...)` reads). Block mode's candidates keep
@@ -174,6 +179,16 @@ FUSED_MARGIN = 0.01
 # --interleave-only: the prefill buckets it times, and the margin its winner needs
 INTERLEAVE_MIN_TOKENS = 2048
 INTERLEAVE_MARGIN = 0.01
+# --programs-only: the persistent-grid sizes timed against a decode entry's (the full search varies
+# programs_per_sm only from T = 1024 up, so every decode entry kept the default 4), the buckets it
+# times (a dispatch layout, T * K > FEW_SLOTS, below PROGRAMS_MAX_TOKENS) and the margin its winner
+# needs. 64 programs per SM is about one tile a program, scheduled by the hardware instead of a
+# static stride. H200 2026-11-26, whole layer, 3 interleaved rounds (scripts/debug/pps_sweep.py):
+# at 64, DeepSeek-V3 T = 8 / 64 -2.2 / -2.4%, gpt-oss T = 64 / 256 -2.2 / -1.8%, Qwen3 and
+# Mixtral T = 8..256 within -0.2..+0.6%.
+PROGRAMS_CANDIDATES = (8, 16, 64)
+PROGRAMS_MAX_TOKENS = 1024
+PROGRAMS_MARGIN = 0.01
 # Candidates within ONE_LAUNCH_TOLERANCE of a bucket's fastest full batch that are also timed on a
 # one-valid-row padded step (prefer_fast_padded_step).
 PADDED_PICK_CANDIDATES = 4
@@ -1231,22 +1246,75 @@ def choose_interleave(medians: dict[str, float], margin: float = INTERLEAVE_MARG
     return best if medians[best] < medians["entry"] * (1 - margin) else "entry"
 
 
-def decide_interleave(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
-                      deadline: float) -> tuple[ExpertsConfig, dict[str, float]] | None:
-    """(config kept, median us of each candidate) at case's T: ONE_LAUNCH_ROUNDS interleaved rounds
-    of `interleave_candidates(cfg)`. None when the budget runs out or a timing fails."""
-    candidates = interleave_candidates(cfg)
+def time_candidates(case: Case, candidates: dict[str, ExpertsConfig], label: str, log: list[dict[str, Any]],
+                    deadline: float, est_us: float | None) -> dict[str, float] | None:
+    """Median us of each candidate at case's T over ONE_LAUNCH_ROUNDS interleaved rounds; None when
+    the budget runs out or a timing fails."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(ONE_LAUNCH_ROUNDS):
         for name, candidate in candidates.items():
             if time.time() > deadline:
                 return None
-            us = _timed(case, candidate, log, "interleave", cfg.extra.get("us"))
+            us = _timed(case, candidate, log, label, est_us)
             if us is None:
                 return None
             times[name].append(us)
-    med = {name: round(statistics.median(v), 2) for name, v in times.items()}
-    return candidates[choose_interleave(med)], med
+    return {name: round(statistics.median(v), 2) for name, v in times.items()}
+
+
+def decide_interleave(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
+                      deadline: float) -> tuple[ExpertsConfig, dict[str, float]] | None:
+    """(config kept, median us of each candidate) at case's T: ONE_LAUNCH_ROUNDS interleaved rounds
+    of `interleave_candidates(cfg)`. None when the budget runs out or a timing fails."""
+    candidates = interleave_candidates(cfg)
+    med = time_candidates(case, candidates, "interleave", log, deadline, cfg.extra.get("us"))
+    return None if med is None else (candidates[choose_interleave(med)], med)
+
+
+def programs_candidates(cfg: ExpertsConfig) -> dict[str, ExpertsConfig]:
+    """The entry and the entry at each of PROGRAMS_CANDIDATES programs per SM (its own left out)."""
+    candidates = {"entry": cfg}
+    for programs in PROGRAMS_CANDIDATES:
+        if programs != cfg.programs_per_sm:
+            candidates[f"programs_{programs}"] = replace(cfg, programs_per_sm=programs)
+    return candidates
+
+
+def programs_buckets(entries: dict[str, Any], top_k: int, chosen: set[int] | None) -> list[int]:
+    """The buckets --programs-only times: with --tokens those (any size), else the decode entries
+    above SMALL_BATCH_TOKENS (a dispatch layout; a few-slot bucket's grid is one tile a program
+    already) below PROGRAMS_MAX_TOKENS. The SMALL_BATCH_TOKENS bucket is left to --tokens: its
+    config is also the small-batch regime of every larger merged launch, whose grid is the largest
+    of its regimes', so its grid size would change those buckets' full batches too."""
+    buckets = [int(b) for b in entries]
+    if chosen is not None:
+        return sorted(b for b in buckets if b in chosen)
+    return sorted(b for b in buckets
+                  if SMALL_BATCH_TOKENS < b < PROGRAMS_MAX_TOKENS and b * top_k > FEW_SLOTS)
+
+
+def decide_programs(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case, cfg: ExpertsConfig,
+                    table: dict[int, ExpertsConfig], log: list[dict[str, Any]], deadline: float
+                    ) -> tuple[ExpertsConfig, dict[str, Any]] | None:
+    """(config kept, {candidate: median us}, plus the dependent padded steps' timings when the
+    bucket's tiles also run larger buckets' steps) at case's T. The fastest grid size wins when
+    it beats the entry by more than PROGRAMS_MARGIN and leaves those steps within
+    ONE_LAUNCH_TOLERANCE (`check_dependents`). None when the budget runs out or a timing fails."""
+    candidates = programs_candidates(cfg)
+    med = time_candidates(case, candidates, "programs", log, deadline, cfg.extra.get("us"))
+    if med is None:
+        return None
+    best = choose_interleave(med, PROGRAMS_MARGIN)
+    record: dict[str, Any] = dict(med)
+    if best == "entry":
+        return cfg, record
+    case.incumbent = cfg
+    case.ranked = [(med[n], c) for n, c in candidates.items()]
+    kept, _, timings = check_dependents(name, w13, w2, case, candidates[best], med[best], table, log,
+                                        deadline)
+    if timings is not None:
+        record["dependents"] = timings
+    return kept, record
 
 
 def _device_table() -> tuple[torch.device, str, Path, dict[str, Any]]:
@@ -1310,6 +1378,49 @@ def interleave_only(args: argparse.Namespace, names: list[str], start: float) ->
     return _finish_table_only(args, device_name, what, method, winners, log, start)
 
 
+def programs_only(args: argparse.Namespace, names: list[str], start: float) -> int:
+    """--programs-only: programs_per_sm decided for the device table's bf16 decode entries
+    (`programs_buckets`), every other field kept."""
+    device, device_name, path, table = _device_table()
+    chosen = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
+    deadline = time.time() + args.budget_s
+    log: list[dict[str, Any]] = []
+    winners: dict[str, dict[str, Any]] = {}
+    for name in names:
+        _, top_k, _, _ = SHAPES[name]
+        key, entries = _shape_entries(table, name)
+        buckets = programs_buckets(entries, top_k, chosen)
+        print(f"{name}: programs_per_sm timed at T = {buckets} ({key} in {path})", flush=True)
+        if not buckets:
+            continue
+        w13, w2 = make_weights(name, device)
+        configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
+        for bucket in buckets:
+            case = Case(name, w13, w2, bucket)
+            decided = decide_programs(name, w13, w2, case, configs[bucket], configs, log, deadline)
+            del case
+            if decided is None:
+                print(f"  {name} T={bucket}: programs_per_sm not measured (budget spent or a timing "
+                      "failed): kept")
+                continue
+            kept, record = decided
+            configs[bucket] = kept  # a later bucket's dependents see this one's grid
+            winners.setdefault(key, {})[str(bucket)] = {
+                **entries[str(bucket)], "programs_per_sm": kept.programs_per_sm, "programs_us": record}
+            timings = ", ".join(f"{n} {us:.1f}" for n, us in record.items() if n != "dependents")
+            print(f"  {name} T={bucket}: {timings} us -> {kept.programs_per_sm} programs per SM"
+                  + (f"; dependents {record['dependents']}" if "dependents" in record else ""), flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+    method = ("scripts/tune_experts.py --programs-only: the table's tiles, programs_per_sm of "
+              f"{PROGRAMS_CANDIDATES} against the entry's, full batches under CUDA-graph replay, medians of "
+              f"{ONE_LAUNCH_ROUNDS} interleaved rounds (programs_us), kept when faster by more than "
+              f"{PROGRAMS_MARGIN:.0%} with the padded steps that run the bucket's tiles within "
+              f"{ONE_LAUNCH_TOLERANCE:.0%}")
+    return _finish_table_only(args, device_name, "programs", method, winners, log, start)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1346,6 +1457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave-only", action="store_true",
                         help="decide GEMM1's interleave for the device table's prefill entries (--tokens: "
                         "those buckets), other fields kept")
+    parser.add_argument("--programs-only", action="store_true",
+                        help="decide programs_per_sm for the device table's decode entries (--tokens: those "
+                        "buckets), other fields kept")
     parser.add_argument("--fused-only", action="store_true",
                         help="re-decide fused of the device table's few-slot entries (--tokens: those "
                         "buckets), tiles kept")
@@ -1365,6 +1479,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--one-launch-only re-decides bf16 entries; --quant tunes without one_launch")
     if args.fused_only and (args.one_launch_only or args.no_fused or args.quant):
         parser.error("--fused-only re-decides fused alone, for bf16 entries")
+    if args.programs_only and (args.one_launch_only or args.fused_only or args.interleave_only or args.quant):
+        parser.error("--programs-only decides programs_per_sm alone, for bf16 entries")
     if args.interleave_only and args.quant == "block":
         parser.error("--interleave-only: fp8 block mode runs GEMM1 without interleave (bf16 and per_tensor)")
     names = [n for n in args.shapes.split(",") if n]
@@ -1384,6 +1500,8 @@ def main(argv: list[str] | None = None) -> int:
         return fused_only(args, names, start)
     if args.interleave_only:
         return interleave_only(args, names, start)
+    if args.programs_only:
+        return programs_only(args, names, start)
     defaults = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
     tokens_of = {
         n: tuple(int(t) for t in args.tokens.split(",")) if args.tokens else defaults[n] for n in names

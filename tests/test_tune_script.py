@@ -602,6 +602,54 @@ def test_main_interleave_only_fp8_per_tensor_entries(monkeypatch, tmp_path):
         tune.main([*argv, "--quant", "block"])
 
 
+def test_main_programs_only_decides_decode_grids(monkeypatch, tmp_path):
+    """--programs-only times the table's decode entries that run a dispatch layout (above
+    SMALL_BATCH_TOKENS, below PROGRAMS_MAX_TOKENS) at PROGRAMS_CANDIDATES programs per SM against
+    the entry's, and writes a faster grid only past PROGRAMS_MARGIN; --tokens reaches the
+    small-batch source bucket, whose winner must leave the padded steps it serves within
+    ONE_LAUNCH_TOLERANCE (here it slows the 8-row step: the entry stays)."""
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    entries = {"4": _cfg(16, few=True).to_json(), "8": _cfg(16, few=True).to_json(),
+               "64": _cfg(32).to_json(), "256": {**_cfg(32).to_json(), "us": 700.0},
+               "2048": _cfg(128).to_json()}
+    path.write_text(json.dumps({"date": "old", "configs": {key: entries}}))
+    full = {8: {4: 100.0, 64: 90.0}, 64: {4: 100.0, 8: 99.5, 16: 98.0, 64: 95.0},
+            256: {4: 100.0, 16: 99.5}}
+    calls = []
+
+    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None, few=None):
+        if num_valid is not None:  # a dependent padded step of a larger bucket
+            calls.append((self.num_tokens, num_valid))
+            return 60.0 if num_valid == tune.SMALL_BATCH_TOKENS and small.programs_per_sm == 64 else 50.0
+        calls.append(self.num_tokens)
+        return full[self.num_tokens].get(cfg.programs_per_sm, 100.0)
+
+    monkeypatch.setattr(tune.Case, "time", fake_time)
+    out = tmp_path / "out"
+    assert tune.main(["--out", str(out), "--shapes", "tiny", "--programs-only", "--write"]) == 0
+    data = json.loads(path.read_text())
+    assert data["date"] == "old" and "programs_run" in data
+    written = data["configs"][key]
+    assert {b: written[b] for b in ("4", "8", "2048")} == {b: entries[b] for b in ("4", "8", "2048")}
+    assert ExpertsConfig.from_json(written["64"]) == _cfg(32, programs_per_sm=64)
+    assert written["64"]["programs_us"] == {"entry": 100.0, "programs_8": 99.5, "programs_16": 98.0,
+                                            "programs_64": 95.0}
+    assert ExpertsConfig.from_json(written["256"]) == _cfg(32) and written["256"]["us"] == 700.0
+    assert sorted(calls) == [64] * 12 + [256] * 12  # 4 candidates x ONE_LAUNCH_ROUNDS each
+    calls.clear()
+    argv = ["--out", str(out), "--shapes", "tiny", "--programs-only", "--write", "--tokens", "8"]
+    assert tune.main(argv) == 0
+    kept = json.loads(path.read_text())["configs"][key]["8"]
+    assert ExpertsConfig.from_json(kept) == _cfg(16, few=True)
+    assert kept["programs_us"]["programs_64"] == 90.0
+    assert kept["programs_us"]["dependents"]["T=256 num_valid=8"] == {"incumbent": 50.0, "winner": 60.0}
+    assert (256, tune.SMALL_BATCH_TOKENS) in calls
+    with pytest.raises(SystemExit):
+        tune.main([*argv, "--interleave-only"])
+
+
 def test_fp8_candidates_follow_the_weight_mode():
     """Block mode steps K inside one 128-wide scale group; per-tensor keeps the wider K steps; no
     fp8 candidate carries the few-slot path (it takes no fp8 weights)."""

@@ -1,0 +1,71 @@
+"""Debug (issue 13): the decode buckets' persistent-grid size inside the whole layer.
+
+    PYTHONPATH=src:scripts/debug python3 scripts/debug/pps_sweep.py qwen3:8 mixtral:256 ...
+        [--pps 4,8,16,64] [--rounds 3] [--out FILE.json]
+
+The tuner never varies `programs_per_sm` below T = 1024 (every decode entry has 4). For each
+SHAPE:T case this times `safemoe.moe` (ab_entry.layer_step: route + experts, bf16, CUDA-graph
+replay over 8 seeded routings) with the bucket's own entry at each programs_per_sm, the values
+alternating for --rounds rounds. Only the grid changes (no recompile): a large value is one
+program per tile, scheduled by the hardware instead of a static stride. A measurement script,
+not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from ab_entry import VARIANTS, layer_step, shape_named
+
+from safemoe.bench.harness import time_graph
+from safemoe.configs import get_config, load_device_configs, shape_key
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="+", help="SHAPE:T, e.g. qwen3:8")
+    parser.add_argument("--pps", default="4,8,16,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
+    values = [int(v) for v in args.pps.split(",")]
+    results = []
+    for case in args.cases:
+        prefix, _, tokens = case.partition(":")
+        num_experts, top_k, hidden, inter, _ = shape_named(prefix)
+        num_tokens = int(tokens)
+        key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+        own = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+        had_entry = num_tokens in table.get(key, {})
+        table.setdefault(key, {})
+        step = layer_step(prefix, num_tokens, num_tokens, device)
+        times: dict[int, list[float]] = {v: [] for v in values}
+        for _ in range(args.rounds):
+            for v in values:
+                table[key][num_tokens] = replace(own, programs_per_sm=v)
+                times[v].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
+        if had_entry:
+            table[key][num_tokens] = own
+        else:
+            del table[key][num_tokens]
+        med = {v: statistics.median(t) for v, t in times.items()}
+        base = med[own.programs_per_sm] if own.programs_per_sm in med else med[values[0]]
+        print(f"{case} (entry pps {own.programs_per_sm}): " + ", ".join(
+            f"pps {v}: {m:.2f} us ({m / base - 1:+.1%})" for v, m in med.items()), flush=True)
+        results.append({"case": case, "entry": own.to_json(), "us": times, "median_us": med})
+        del step
+        torch.cuda.empty_cache()
+        if args.out:  # after every case: a run cut short keeps what it measured
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device),
+                                            "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
