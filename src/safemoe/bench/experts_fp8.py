@@ -3,7 +3,7 @@
 Cases (E, K, H, I): Qwen3-30B-A3B (128, 8, 2048, 768) and DeepSeek-V3 (256, 8, 7168, 2048);
 full runs add Mixtral-8x7B (8, 2, 4096, 14336) and gpt-oss-120b (128, 4, 2880, 2880,
 swigluoai). Uniform random routing, 4 rotating input sets, CUDA-graph replay, one workspace.
-T: quick 8, 64, 256, 16384 (the issue's decode range and its prefill point); full 1..16384.
+T: quick 8, 64, 256, 8192, 16384 (the issue's decode range and prefill points); full 1..16384.
 Implementations, each `experts` only (dispatch + GEMMs + combine, with the activation
 quantisation kernels for fp8):
 - `safemoe-fp8-block`: DeepSeek-V3 128x128 weight blocks, 1x128 activation groups;
