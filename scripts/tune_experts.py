@@ -1334,15 +1334,20 @@ def _shape_entries(table: dict[str, Any], name: str, quant: str | None = None) -
     return key, table.get(key, {})
 
 
+def _table_only_state(args: argparse.Namespace
+                      ) -> tuple[set[int] | None, float, list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(the buckets --tokens names, or None; the timing deadline; an empty timing log; empty
+    winners {key: {bucket: entry}}) of a run that re-decides one field of the table's entries."""
+    chosen = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
+    return chosen, time.time() + args.budget_s, [], {}
+
+
 def interleave_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     """--interleave-only: GEMM1's interleave decided for the device table's bf16 entries (with
     --quant per_tensor: its fp8 per-tensor entries, timed on quantised stand-in weights) of at
     least INTERLEAVE_MIN_TOKENS tokens (--tokens: those buckets, any size), every other field kept."""
     device, device_name, path, table = _device_table()
-    chosen = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
-    deadline = time.time() + args.budget_s
-    log: list[dict[str, Any]] = []
-    winners: dict[str, dict[str, Any]] = {}
+    chosen, deadline, log, winners = _table_only_state(args)
     for name in names:
         key, entries = _shape_entries(table, name, args.quant)
         buckets = sorted(int(b) for b in entries
@@ -1382,10 +1387,7 @@ def programs_only(args: argparse.Namespace, names: list[str], start: float) -> i
     """--programs-only: programs_per_sm decided for the device table's bf16 decode entries
     (`programs_buckets`), every other field kept."""
     device, device_name, path, table = _device_table()
-    chosen = {token_bucket(int(t)) for t in args.tokens.split(",")} if args.tokens else None
-    deadline = time.time() + args.budget_s
-    log: list[dict[str, Any]] = []
-    winners: dict[str, dict[str, Any]] = {}
+    chosen, deadline, log, winners = _table_only_state(args)
     for name in names:
         _, top_k, _, _ = SHAPES[name]
         key, entries = _shape_entries(table, name)
