@@ -1,14 +1,16 @@
 """Debug (issue 13): the decode buckets' persistent-grid size inside the whole layer.
 
     PYTHONPATH=src:scripts/debug python3 scripts/debug/pps_sweep.py qwen3:8 mixtral:256 ...
-        [--pps 4,8,16,64] [--rounds 3] [--out FILE.json]
+        [--pps 4,8,16,64 | --variants "pps=4;pps=8,stages=2,warps=8"] [--rounds 3] [--out FILE.json]
 
 The tuner never varies `programs_per_sm` below T = 1024 (every decode entry has 4). For each
 SHAPE:T case this times `safemoe.moe` (ab_entry.layer_step: route + experts, bf16, CUDA-graph
 replay over 8 seeded routings) with the bucket's own entry at each programs_per_sm, the values
 alternating for --rounds rounds. Only the grid changes (no recompile): a large value is one
-program per tile, scheduled by the hardware instead of a static stride. A measurement script,
-not a test.
+program per tile, scheduled by the hardware instead of a static stride. --variants instead times
+the entry changed as each `;`-separated spec says (pps, and stages / warps of both GEMMs' tiles:
+shallow pipelines and more warps, the streaming-read ceiling kernel's shape); the first variant is
+the baseline of the printed ratios. A measurement script, not a test.
 """
 
 from __future__ import annotations
@@ -23,19 +25,30 @@ import torch
 from ab_entry import VARIANTS, layer_step, shape_named
 
 from safemoe.bench.harness import time_graph
-from safemoe.configs import get_config, load_device_configs, shape_key
+from safemoe.configs import ExpertsConfig, get_config, load_device_configs, shape_key
+
+
+def changed(cfg: ExpertsConfig, spec: str) -> ExpertsConfig:
+    """cfg with the fields of `spec` ("pps=8,stages=2,warps=8"; stages and warps of both GEMMs)."""
+    fields = dict(item.split("=") for item in spec.split(",") if item)
+    tiles = {name: int(fields[name]) for name in ("stages", "warps") if name in fields}
+    gemm = {"num_stages": tiles.get("stages"), "num_warps": tiles.get("warps")}
+    gemm = {k: v for k, v in gemm.items() if v is not None}
+    return replace(cfg, programs_per_sm=int(fields.get("pps", cfg.programs_per_sm)),
+                   gemm1=replace(cfg.gemm1, **gemm), gemm2=replace(cfg.gemm2, **gemm))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="+", help="SHAPE:T, e.g. qwen3:8")
     parser.add_argument("--pps", default="4,8,16,64")
+    parser.add_argument("--variants", default="", help='e.g. "pps=4;pps=8,stages=2,warps=8"')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
     table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
-    values = [int(v) for v in args.pps.split(",")]
+    specs = args.variants.split(";") if args.variants else [f"pps={v}" for v in args.pps.split(",")]
     results = []
     for case in args.cases:
         prefix, _, tokens = case.partition(":")
@@ -46,19 +59,20 @@ def main() -> None:
         had_entry = num_tokens in table.get(key, {})
         table.setdefault(key, {})
         step = layer_step(prefix, num_tokens, num_tokens, device)
-        times: dict[int, list[float]] = {v: [] for v in values}
+        variants = {spec: changed(own, spec) for spec in specs}
+        times: dict[str, list[float]] = {spec: [] for spec in specs}
         for _ in range(args.rounds):
-            for v in values:
-                table[key][num_tokens] = replace(own, programs_per_sm=v)
-                times[v].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
+            for spec, cfg in variants.items():
+                table[key][num_tokens] = cfg
+                times[spec].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
         if had_entry:
             table[key][num_tokens] = own
         else:
             del table[key][num_tokens]
         med = {v: statistics.median(t) for v, t in times.items()}
-        base = med[own.programs_per_sm] if own.programs_per_sm in med else med[values[0]]
+        base = med[specs[0]]
         print(f"{case} (entry pps {own.programs_per_sm}): " + ", ".join(
-            f"pps {v}: {m:.2f} us ({m / base - 1:+.1%})" for v, m in med.items()), flush=True)
+            f"{v}: {m:.2f} us ({m / base - 1:+.1%})" for v, m in med.items()), flush=True)
         results.append({"case": case, "entry": own.to_json(), "us": times, "median_us": med})
         del step
         torch.cuda.empty_cache()
