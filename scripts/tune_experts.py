@@ -185,7 +185,9 @@ INTERLEAVE_MARGIN = 0.01
 # needs. 64 programs per SM is about one tile a program, scheduled by the hardware instead of a
 # static stride. H200 2026-11-26, whole layer, 3 interleaved rounds (scripts/debug/pps_sweep.py):
 # at 64, DeepSeek-V3 T = 8 / 64 -2.2 / -2.4%, gpt-oss T = 64 / 256 -2.2 / -1.8%, Qwen3 and
-# Mixtral T = 8..256 within -0.2..+0.6%.
+# Mixtral T = 8..256 within -0.2..+0.6%; a second sweep an hour later -0.7 / -0.9% at DeepSeek-V3
+# and gpt-oss T = 64, and this mode (experts only) -0.6..-0.8%: kept at 4 there. It moved Qwen3
+# T = 16 / 32 and Mixtral T = 512 by -1.0..-1.4%.
 PROGRAMS_CANDIDATES = (8, 16, 64)
 PROGRAMS_MAX_TOKENS = 1024
 PROGRAMS_MARGIN = 0.01
@@ -1240,10 +1242,15 @@ def interleave_candidates(cfg: ExpertsConfig) -> dict[str, ExpertsConfig]:
     return candidates
 
 
-def choose_interleave(medians: dict[str, float], margin: float = INTERLEAVE_MARGIN) -> str:
+def choose_over_entry(medians: dict[str, float], margin: float) -> str:
     """The fastest candidate's name, or "entry" unless it beats the entry by more than `margin`."""
     best = min(medians, key=lambda name: medians[name])
     return best if medians[best] < medians["entry"] * (1 - margin) else "entry"
+
+
+def choose_interleave(medians: dict[str, float], margin: float = INTERLEAVE_MARGIN) -> str:
+    """`choose_over_entry` with the interleave margin."""
+    return choose_over_entry(medians, margin)
 
 
 def time_candidates(case: Case, candidates: dict[str, ExpertsConfig], label: str, log: list[dict[str, Any]],
@@ -1304,7 +1311,7 @@ def decide_programs(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case, 
     med = time_candidates(case, candidates, "programs", log, deadline, cfg.extra.get("us"))
     if med is None:
         return None
-    best = choose_interleave(med, PROGRAMS_MARGIN)
+    best = choose_over_entry(med, PROGRAMS_MARGIN)
     record: dict[str, Any] = dict(med)
     if best == "entry":
         return cfg, record
