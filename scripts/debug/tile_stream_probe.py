@@ -10,7 +10,11 @@ streaming ceiling's order), `tiles` (a program reads [BN, BK] tiles of a row-maj
 weight one K step after another, as the expert GEMMs do: BN rows x BK*2 bytes, rows 4 KB apart)
 and `pretiled` (the same tiles stored contiguously, [R/BN, 2048/BK, BN, BK]: each K step one
 contiguous BN*BK*2-byte block). If `tiles` sits near 78% and `pretiled` near `rows`, the loss is
-the access pattern's DRAM efficiency and a pre-tiled weight layout is the lever.
+the access pattern's DRAM efficiency and a pre-tiled weight layout is the lever. (H200,
+2026-11-26: it is not; `tiles` and `pretiled` agree within 1% at <= 3.97 TB/s against the read
+ceiling kernel's 4.33 on this buffer; log `bench/results/logs/tile_stream_probe_*`.) `slab`: one
+program per [BN, 2048] slab, a non-persistent grid like the ceiling kernel's (added after that
+run, not yet measured).
 """
 
 from __future__ import annotations
@@ -40,6 +44,19 @@ def _stream(w_ptr, out_ptr, n_tiles, K: tl.constexpr, BN: tl.constexpr, BK: tl.c
                 offs = (t * BN + r).to(tl.int64) * K + kk * BK + c
             acc += tl.load(w_ptr + offs).to(tl.float32)
     tl.store(out_ptr + pid * BN * BK + r * BK + c, acc)
+
+
+@triton.jit
+def _stream_slab(w_ptr, out_ptr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """One program per [BN, K] slab (a non-persistent grid, as the read-ceiling kernel has): the
+    GEMV-like order a tiny-M decode kernel could stream its weights in."""
+    t = tl.program_id(0)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    r = tl.arange(0, BN)[:, None]
+    c = tl.arange(0, BK)[None, :]
+    for kk in tl.range(0, K // BK, num_stages=STAGES):
+        acc += tl.load(w_ptr + (t * BN + r).to(tl.int64) * K + kk * BK + c).to(tl.float32)
+    tl.store(out_ptr + t * BN + tl.arange(0, BN), tl.sum(acc, axis=1))
 
 
 def timed(fn, rounds: int) -> float:
@@ -94,6 +111,21 @@ def main() -> None:
                 order = "pretiled" if pretiled else "tiles   "
                 print(f"{order} BN {bn:3d} BK {bk:3d} stages {stages} warps {warps} {programs:2d}/SM: "
                       f"{us:7.1f} us, {nbytes / us / 1e3:5.0f} GB/s", flush=True)
+    # not measured yet (written after the session's GPU time ran out): one slab a program
+    for bn, bk, stages, warps in ((16, 256, 1, 4), (16, 256, 2, 4), (8, 512, 1, 4), (32, 128, 3, 4),
+                                  (16, 512, 1, 8), (64, 64, 4, 4)):
+        slab_out = torch.empty(rows, device="cuda", dtype=torch.float32)
+
+        def slabs(bn=bn, bk=bk, stages=stages, warps=warps, slab_out=slab_out) -> None:
+            _stream_slab[(rows // bn,)](w, slab_out, K=K, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
+
+        try:
+            us = timed(slabs, args.rounds)
+        except Exception as exc:  # a probe: report and go on
+            print(f"slab     BN {bn:3d} BK {bk:3d}: {type(exc).__name__}: {exc}"[:200])
+            continue
+        print(f"slab     BN {bn:3d} BK {bk:3d} stages {stages} warps {warps} one slab a program: "
+              f"{us:7.1f} us, {nbytes / us / 1e3:5.0f} GB/s", flush=True)
     rows_out = torch.empty(sms * 4 * 1 * K, device="cuda", dtype=torch.float32)
 
     def whole_rows() -> None:
