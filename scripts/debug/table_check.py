@@ -24,12 +24,15 @@ import torch
 
 import safemoe
 from safemoe._checks import NumValid
+from safemoe.bench.experts import SHAPES
+from safemoe.bench.layer import _rel_err as max_rel_err
 from safemoe.configs import load_device_configs
 from safemoe.fp8 import quantize_experts
 from safemoe.reference import experts_fp8_reference, moe_reference, route_reference
 
 BF16_TOLERANCE, FP8_TOLERANCE = 2e-2, 1e-1
-ACTIVATIONS = {2880: "swigluoai"}  # by I: gpt-oss; every other bench shape is silu
+# the bench shapes' activations by (E, K, H, I); a key of another shape is checked with silu
+ACTIVATIONS = {shape[:4]: shape[4] for shape in SHAPES.values()}
 
 
 def parse_key(key: str) -> tuple[int, int, int, int, str | None]:
@@ -42,7 +45,7 @@ def parse_key(key: str) -> tuple[int, int, int, int, str | None]:
 
 def check(key: str, num_tokens: int, device: torch.device) -> dict[str, object]:
     num_experts, hidden, inter, top_k, quant = parse_key(key)
-    activation = ACTIVATIONS.get(inter, "silu")
+    activation = ACTIVATIONS.get((num_experts, top_k, hidden, inter), "silu")
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen)
     w13 *= hidden**-0.5
@@ -54,7 +57,6 @@ def check(key: str, num_tokens: int, device: torch.device) -> dict[str, object]:
     x[valid:] = float("nan")
     logits[valid:] = float("nan")
     nv = torch.tensor(valid, dtype=torch.int32, device=device)
-    scales: dict[str, torch.Tensor] = {}
     if quant is None:
         out = safemoe.moe(x, logits, w13, w2, top_k, activation=activation, num_valid=nv, backend="triton")
         expected = moe_reference(x, logits, w13, w2, top_k, activation=activation,
@@ -62,16 +64,13 @@ def check(key: str, num_tokens: int, device: torch.device) -> dict[str, object]:
         tolerance = BF16_TOLERANCE
     else:
         w13_q, w2_q, w13_s, w2_s = quantize_experts(w13, w2, quant)
-        scales = {"w13_scale": w13_s, "w2_scale": w2_s}
         out = safemoe.moe(x, logits, w13_q, w2_q, top_k, activation=activation, num_valid=nv,
-                          backend="triton", **scales)
+                          backend="triton", w13_scale=w13_s, w2_scale=w2_s)
         weights, ids = route_reference(logits, top_k, num_valid=NumValid(valid, None))
         expected = experts_fp8_reference(x, w13_q, w2_q, w13_s, w2_s, weights, ids, activation=activation,
                                          num_valid=NumValid(valid, None))
         tolerance = FP8_TOLERANCE
-    got, want = out[:valid].float(), expected[:valid].float()
-    finite = bool(torch.isfinite(got).all())
-    err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0) if finite else float("inf")
+    err = max_rel_err(out[:valid], expected[:valid])  # max |error| / max |reference|, inf if not finite
     padding_zero = bool((out[valid:] == 0).all())
     return {"key": key, "T": num_tokens, "rel_err": round(err, 5), "padding_zero": padding_zero,
             "ok": err <= tolerance and padding_zero}
