@@ -8,9 +8,8 @@ SHAPE:T case this times `safemoe.moe` (ab_entry.layer_step: route + experts, bf1
 replay over 8 seeded routings) with the bucket's own entry at each programs_per_sm, the values
 alternating for --rounds rounds. Only the grid changes (no recompile): a large value is one
 program per tile, scheduled by the hardware instead of a static stride. --variants instead times
-the entry changed as each `;`-separated spec says (pps, and stages / warps of both GEMMs' tiles:
-shallow pipelines and more warps, the streaming-read ceiling kernel's shape); the first variant is
-the baseline of the printed ratios. A measurement script, not a test.
+the entry changed as each `;`-separated spec says (pps, block_m, tiles, stages, warps: `changed`);
+the first variant is the baseline of the printed ratios. A measurement script, not a test.
 """
 
 from __future__ import annotations
@@ -29,13 +28,24 @@ from safemoe.configs import ExpertsConfig, get_config, load_device_configs, shap
 
 
 def changed(cfg: ExpertsConfig, spec: str) -> ExpertsConfig:
-    """cfg with the fields of `spec` ("pps=8,stages=2,warps=8"; stages and warps of both GEMMs)."""
-    fields = dict(item.split("=") for item in spec.split(",") if item)
-    tiles = {name: int(fields[name]) for name in ("stages", "warps") if name in fields}
-    gemm = {"num_stages": tiles.get("stages"), "num_warps": tiles.get("warps")}
-    gemm = {k: v for k, v in gemm.items() if v is not None}
-    return replace(cfg, programs_per_sm=int(fields.get("pps", cfg.programs_per_sm)),
-                   gemm1=replace(cfg.gemm1, **gemm), gemm2=replace(cfg.gemm2, **gemm))
+    """cfg with the fields of `spec`, e.g. "pps=8,stages=2,warps=8" (stages and warps of both
+    GEMMs) or "bm=64,gm=8,bn1=128,bk1=64,il=1,bn2=256,bk2=64,tma1=1,tma2=0" (block_m, both GEMMs'
+    group_m, one GEMM's block_n / block_k / tma, GEMM1's interleave)."""
+    fields = {name: int(value) for name, value in (item.split("=") for item in spec.split(",") if item)}
+
+    def gemm(tiles, which: str):
+        renames = {"stages": "num_stages", "warps": "num_warps", "gm": "group_m", f"bn{which}": "block_n",
+                   f"bk{which}": "block_k", f"tma{which}": "tma", f"w{which}": "num_warps",
+                   f"s{which}": "num_stages"}
+        if which == "1":
+            renames["il"] = "interleave"
+        new = {field: fields[name] for name, field in renames.items() if name in fields}
+        new = {k: bool(v) if k in ("tma", "interleave") else v for k, v in new.items()}
+        return replace(tiles, **new)
+
+    return replace(cfg, programs_per_sm=fields.get("pps", cfg.programs_per_sm),
+                   block_m=fields.get("bm", cfg.block_m), gemm1=gemm(cfg.gemm1, "1"),
+                   gemm2=gemm(cfg.gemm2, "2"))
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ contiguous BN*BK*2-byte block). If `tiles` sits near 78% and `pretiled` near `ro
 the access pattern's DRAM efficiency and a pre-tiled weight layout is the lever. (H200,
 2026-11-26: it is not; `tiles` and `pretiled` agree within 1% at <= 3.97 TB/s against the read
 ceiling kernel's 4.33 on this buffer; log `bench/results/logs/tile_stream_probe_*`.) `slab`: one
-program per [BN, 2048] slab, a non-persistent grid like the ceiling kernel's (added after that
-run, not yet measured).
+program per [BN, 2048] slab, a non-persistent grid like the ceiling kernel's, the order a GEMV-like
+tiny-M kernel would stream in (H200, 2026-11-27: 3.68-4.04 TB/s against the ceiling kernel's 4.40
+on the buffer, no better than the tile order; `tile_stream_probe_slab_*`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def main() -> None:
                 order = "pretiled" if pretiled else "tiles   "
                 print(f"{order} BN {bn:3d} BK {bk:3d} stages {stages} warps {warps} {programs:2d}/SM: "
                       f"{us:7.1f} us, {nbytes / us / 1e3:5.0f} GB/s", flush=True)
-    # not measured yet (written after the session's GPU time ran out): one slab a program
+    # one slab a program (non-persistent)
     for bn, bk, stages, warps in ((16, 256, 1, 4), (16, 256, 2, 4), (8, 512, 1, 4), (32, 128, 3, 4),
                                   (16, 512, 1, 8), (64, 64, 4, 4)):
         slab_out = torch.empty(rows, device="cuda", dtype=torch.float32)
