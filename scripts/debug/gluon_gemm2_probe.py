@@ -28,6 +28,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from safemoe.bench.harness import event_times_us
+
 SHAPES = {
     "qwen3": (128, 8, 2048, 768),
     "deepseek": (256, 8, 7168, 2048),
@@ -135,24 +137,8 @@ def _grouped_gemm2(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(bars.index(i), count=1)
     for s in gl.static_range(NUM_BUFFERS - 1):
-        _issue_loads(
-            s,
-            total,
-            pid,
-            nprog,
-            num_m_blocks,
-            num_n_blocks,
-            k_steps,
-            hidden,
-            a_desc,
-            b_desc,
-            block_expert_ptr,
-            bars,
-            a_bufs,
-            b_bufs,
-            NUM_BUFFERS,
-            GROUP_M,
-        )
+        _issue_loads(s, total, pid, nprog, num_m_blocks, num_n_blocks, k_steps, hidden, a_desc, b_desc,
+            block_expert_ptr, bars, a_bufs, b_bufs, NUM_BUFFERS, GROUP_M)  # fmt: skip
 
     acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
     for step in range(total):
@@ -164,24 +150,8 @@ def _grouped_gemm2(
         )
         # one MMA in flight: the previous step's is done, so its buffer takes the next loads
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        _issue_loads(
-            step + NUM_BUFFERS - 1,
-            total,
-            pid,
-            nprog,
-            num_m_blocks,
-            num_n_blocks,
-            k_steps,
-            hidden,
-            a_desc,
-            b_desc,
-            block_expert_ptr,
-            bars,
-            a_bufs,
-            b_bufs,
-            NUM_BUFFERS,
-            GROUP_M,
-        )
+        _issue_loads(step + NUM_BUFFERS - 1, total, pid, nprog, num_m_blocks, num_n_blocks, k_steps, hidden,
+            a_desc, b_desc, block_expert_ptr, bars, a_bufs, b_bufs, NUM_BUFFERS, GROUP_M)  # fmt: skip
         if k == k_steps - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             m_block, n_block = _tile_of(step // k_steps, pid, nprog, num_m_blocks, num_n_blocks, GROUP_M)
@@ -202,19 +172,9 @@ def _grouped_gemm2(
         mbarrier.invalidate(bars.index(i))
 
 
-def timed(fn, rounds: int = 5, calls: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls * 1e3)
-    return statistics.median(times)
+def timed(fn, rounds: int = 25) -> float:
+    """Median microseconds of a call (the bench's per-call CUDA-event timing)."""
+    return statistics.median(event_times_us(fn, iters=rounds, warmup=1))
 
 
 def main() -> None:
@@ -297,14 +257,8 @@ def main() -> None:
 
                 args_now = (a_desc, b_desc, block_expert, slots, weights, y, num_m_blocks, hidden, inter)
 
-                def run(
-                    args_now=args_now,
-                    buffers=buffers,
-                    warps=warps,
-                    group_m=group_m,
-                    blocked=blocked,
-                    grid=grid,
-                ) -> None:
+                def run(args_now=args_now, buffers=buffers, warps=warps, group_m=group_m, blocked=blocked,
+                        grid=grid) -> None:  # fmt: skip
                     _grouped_gemm2[(grid,)](
                         *args_now,
                         GROUP_M=group_m,

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from safemoe.bench.harness import event_times_us
+
 H = 2048
 ROWS_PER_EXPERT = 1536  # Qwen3-30B-A3B w13: gate and up, 2 x 768
 BLOCK_M = 16
@@ -66,18 +68,8 @@ def _gemm1_like(x_ptr, w_ptr, w_desc, out_ptr, n_tiles, num_n_blocks, H: tl.cons
 
 
 def timed(fn, rounds: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 10 * 1e3)
-    return statistics.median(times)
+    """Median microseconds of a call (the bench's per-call CUDA-event timing)."""
+    return statistics.median(event_times_us(fn, iters=rounds * 10, warmup=1))
 
 
 def main() -> None:

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from safemoe.bench.harness import event_times_us
+
 K = 2048
 
 
@@ -61,18 +63,8 @@ def _stream_slab(w_ptr, out_ptr, K: tl.constexpr, BN: tl.constexpr, BK: tl.const
 
 
 def timed(fn, rounds: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 5 * 1e3)
-    return statistics.median(times)
+    """Median microseconds of a call (the bench's per-call CUDA-event timing)."""
+    return statistics.median(event_times_us(fn, iters=rounds * 5, warmup=1))
 
 
 def main() -> None:
