@@ -649,8 +649,9 @@ def test_interleaved_gate_up_tile_matches(device: str) -> None:
 
 @interpreter_only(INTERPRETER_ONLY)
 def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bucket with T*K > 16 runs its GEMMs apart whatever `fused` says (a batch there may need
-    the dispatch layout), and still matches the reference."""
+    """A bucket with T*K > 16 runs its GEMMs apart whatever its own `fused` says (a batch there may
+    need the dispatch layout), and still matches the reference; only fused few-slot tiles (the
+    few_config's `fused`, test below) bring the fused launch into it."""
     import dataclasses
 
     calls = _spy_fused_launches(monkeypatch)
@@ -662,9 +663,52 @@ def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyP
     cfg = dataclasses.replace(_config(16), fused=True)
     for num_valid in (1, num_tokens):
         out = experts_triton(x, w13, w2, weights, ids, activation="silu", num_valid=NumValid(num_valid, None),
-                             health=None, config=cfg, few_config=cfg)
+                             health=None, config=cfg, few_config=_config(16))
         assert_close(out, _reference(x, w13, w2, weights, ids, num_valid=num_valid))
     assert not calls
+
+
+@pytest.mark.memcheck
+@pytest.mark.parametrize("num_tokens,top_k", [(24, 2), (9, 8), (40, 4)])
+def test_fused_few_tiles_in_a_larger_bucket(device: str, num_tokens: int, top_k: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket above the few-slot size whose few-slot tiles are `fused` (and not its own) runs a
+    padded step (<= 16 valid slots) as the fused launch, placed before its GEMM launches (then
+    compiled without the path), which returns at once on a larger batch: the same bits as the
+    few-slot path inside the GEMM launches for every num_valid 0..T (a device tensor, so one call
+    may take either path), garbage ids dropped and counted once, NaN padding rows, poisoned
+    outputs, the counters zero after every call."""
+    import dataclasses
+
+    calls = _spy_fused_launches(monkeypatch)
+    inputs = _few_slot_inputs(device, num_tokens, top_k, seed=num_tokens * 7 + top_k)
+    few = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1),
+                        GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1, tma=True))
+    big = ExpertsConfig(32, GemmTiles(block_n=32, block_k=32, group_m=2, num_stages=1),
+                        GemmTiles(block_n=32, block_k=32, group_m=2, num_stages=1))
+    ws = Workspace(num_tokens, FEW_CASE[0], top_k, FEW_CASE[1], FEW_CASE[2], torch.float32, device)
+    views = ws.views(num_tokens, FEW_CASE[0], top_k, FEW_CASE[1], FEW_CASE[2])
+
+    def run(fused: bool, x: torch.Tensor, nv: NumValid, health: torch.Tensor) -> torch.Tensor:
+        out = experts_triton(x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
+                             num_valid=nv, health=health, workspace=ws,
+                             out=poisoned(x.shape, torch.float32, device), config=big,
+                             few_config=dataclasses.replace(few, fused=fused))
+        assert int(views.few_sync.count_nonzero()) == 0, "counters left set"
+        return out
+
+    _same_bits_every_num_valid(device, inputs, run, "fused launch in a larger bucket vs the few-slot GEMMs")
+    assert len(calls) == num_tokens + 1, "the fused launch ran once per fused call"
+    # With the few-slot tiles the bucket's own, the path stays inside the GEMM launches.
+    calls.clear()
+    same = dataclasses.replace(few, block_m=32, fused=False)
+    out = experts_triton(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
+                         num_valid=NumValid(1, None), health=None, workspace=ws, config=same,
+                         few_config=dataclasses.replace(few, fused=True))
+    assert not calls, "the fused launch ran for few-slot tiles equal to the bucket's"
+    expected = experts_reference(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids,
+                                 num_valid=NumValid(1, None))
+    _assert_matches(device, out, expected, what="one row, same tiles")
 
 
 def test_few_config_errors() -> None:

@@ -828,10 +828,12 @@ def _few_gemms_kernel(
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, EVEN_K1: tl.constexpr, USE_TMA1: tl.constexpr,
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, EVEN_K2: tl.constexpr, USE_TMA2: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr, IDS_COMPLETE: tl.constexpr, HAS_HEALTH: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, ONLY: tl.constexpr = True,
 ):
     """GEMM1 and GEMM2 of the few-slot path in one launch (a bucket whose every batch has at most
-    FEW valid slots): the tiles of _gemm1_few_tiles, then those of _gemm2_few_tiles, in one order
+    FEW valid slots, or with ONLY False a larger bucket's batch that has: a batch with more valid
+    slots, read on the device, returns at once and leaves the work to the dispatch layout's GEMM
+    launches that follow): the tiles of _gemm1_few_tiles, then those of _gemm2_few_tiles, in one order
     (GEMM1's leader by leader, then GEMM2's), each program taking the next tile from a counter.
     A GEMM2 tile waits until its leader's GEMM1 tiles are done (an acquire on the leader's
     counter, which each finished GEMM1 tile increments with release semantics after its stores):
@@ -843,42 +845,43 @@ def _few_gemms_kernel(
     wait_for_previous_kernel(USE_PDL)
     raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
                                          HAS_NUM_VALID_PTR, IDS_COMPLETE)
-    slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
-    if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
-        if tl.program_id(0) == 0:
-            tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
-    n1_blocks = tl.cdiv(inter, BLOCK_N1)
-    n2_blocks = tl.cdiv(hidden, BLOCK_N2)
-    gemm1_tiles = leaders * n1_blocks
-    all_tiles = gemm1_tiles + leaders * n2_blocks
-    claimed = sync_ptr
-    done = sync_ptr + 1
-    ready = sync_ptr + 2
-    tile = tl.atomic_add(claimed, 1, sem="relaxed")
-    while tile < all_tiles:
-        next_tile = tl.atomic_add(claimed, 1, sem="relaxed")
-        if tile < gemm1_tiles:
-            n_block, tile_expert, rows, slots = _few_tile_rows(tile, n1_blocks, slot, expert, rank)
-            _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_ptr, x_ptr, inter_ptr,
-                        hidden, inter, w13_expert_stride, up_offset, 0, 0, 0, 0, 0, TOP_K, ACTIVATION, 0,
-                        UPCAST, FEW, BLOCK_N1, BLOCK_K1, EVEN_K1, DOT_PRECISION, USE_TMA1, False)
-            # every thread's stores before the release (as dispatch's ticket)
-            tl.debug_barrier()
-            tl.atomic_add(ready + tile // n1_blocks, 1, sem="release")
-        else:
-            gemm2_tile = tile - gemm1_tiles
-            while tl.atomic_add(ready + gemm2_tile // n2_blocks, 0, sem="acquire") < n1_blocks:
-                pass
-            n_block, tile_expert, rows, slots = _few_tile_rows(gemm2_tile, n2_blocks, slot, expert, rank)
-            _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, tile_expert, rows, slots, inter_ptr, x_ptr,
-                        y_ptr, hidden, inter, w2_expert_stride, 0, 0, 0, 0, UPCAST, FEW, BLOCK_N2, BLOCK_K2,
-                        EVEN_K2, DOT_PRECISION, USE_TMA2, False)
-        tile = next_tile
-    if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        # every other program has made its last claim and finished its last tile
-        tl.store(claimed, 0)
-        tl.store(done, 0)
-        tl.store(ready + tl.arange(0, FEW), tl.zeros((FEW,), dtype=tl.int32))
+    if ONLY or valid_slots <= FEW:  # the same on every program: all run the counters or none
+        slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
+        if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
+            if tl.program_id(0) == 0:
+                tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
+        n1_blocks = tl.cdiv(inter, BLOCK_N1)
+        n2_blocks = tl.cdiv(hidden, BLOCK_N2)
+        gemm1_tiles = leaders * n1_blocks
+        all_tiles = gemm1_tiles + leaders * n2_blocks
+        claimed = sync_ptr
+        done = sync_ptr + 1
+        ready = sync_ptr + 2
+        tile = tl.atomic_add(claimed, 1, sem="relaxed")
+        while tile < all_tiles:
+            next_tile = tl.atomic_add(claimed, 1, sem="relaxed")
+            if tile < gemm1_tiles:
+                n_block, tile_expert, rows, slots = _few_tile_rows(tile, n1_blocks, slot, expert, rank)
+                _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_ptr, x_ptr, inter_ptr,
+                            hidden, inter, w13_expert_stride, up_offset, 0, 0, 0, 0, 0, TOP_K, ACTIVATION, 0,
+                            UPCAST, FEW, BLOCK_N1, BLOCK_K1, EVEN_K1, DOT_PRECISION, USE_TMA1, False)
+                # every thread's stores before the release (as dispatch's ticket)
+                tl.debug_barrier()
+                tl.atomic_add(ready + tile // n1_blocks, 1, sem="release")
+            else:
+                gemm2_tile = tile - gemm1_tiles
+                while tl.atomic_add(ready + gemm2_tile // n2_blocks, 0, sem="acquire") < n1_blocks:
+                    pass
+                n_block, tile_expert, rows, slots = _few_tile_rows(gemm2_tile, n2_blocks, slot, expert, rank)
+                _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, tile_expert, rows, slots, inter_ptr,
+                            x_ptr, y_ptr, hidden, inter, w2_expert_stride, 0, 0, 0, 0, UPCAST, FEW, BLOCK_N2,
+                            BLOCK_K2, EVEN_K2, DOT_PRECISION, USE_TMA2, False)
+            tile = next_tile
+        if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            # every other program has made its last claim and finished its last tile
+            tl.store(claimed, 0)
+            tl.store(done, 0)
+            tl.store(ready + tl.arange(0, FEW), tl.zeros((FEW,), dtype=tl.int32))
 
 
 @functools.lru_cache(maxsize=1)
@@ -1165,9 +1168,11 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
 
 def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    views: WorkspaceViews, activation: str, few: FewSlots, use_pdl: bool = False) -> None:
-    """GEMM1 and GEMM2 of a bucket whose every batch takes the few-slot path (few.only), as one
-    launch (`_few_gemms_kernel`): same tiles, same per-tile code and so the same bits as
-    gemm1_into + gemm2_into with `few`, with gemm1's num_warps/num_stages for both."""
+    """GEMM1 and GEMM2 of the few-slot path as one launch (`_few_gemms_kernel`): same tiles, same
+    per-tile code and so the same bits as gemm1_into + gemm2_into with `few`, with gemm1's
+    num_warps/num_stages for both. For a bucket whose every batch takes the path (few.only), or,
+    not few.only, launched before the GEMM launches of the dispatch layout (then compiled without
+    the path) and returning at once when the batch has more than FEW_SLOTS valid slots."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -1193,7 +1198,7 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         USE_TMA2=_use_tma(w2, tiles2),
         HAS_NUM_VALID_PTR=args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=args["IDS_COMPLETE"],
         HAS_HEALTH=few.health is not None,
-        DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=use_pdl,
+        DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=use_pdl, ONLY=few.only,
         num_warps=tiles1.num_warps, num_stages=tiles1.num_stages, **launch_options(use_pdl),
     )
 
@@ -1400,6 +1405,17 @@ def experts_triton(
         # GEMM1 and GEMM2 in one launch (ExpertsConfig.fused)
         few_gemms_into(x, w13, w2, weights, views, activation, few, use_pdl=use_pdl)
     else:
+        if few is not None and few.config.fused and (few.config.gemm1, few.config.gemm2) != (
+                config.gemm1, config.gemm2):
+            # A larger bucket whose few-slot tiles come from a fused bucket and differ from its own:
+            # a batch with <= 16 valid slots (a padded decode step) runs that fused launch, and the
+            # GEMM launches below, compiled without the path, find no M-block (dispatch builds no
+            # layout for it). Inside those launches the path would run with the bucket's grid,
+            # warps and stages (H200, DeepSeek-V3 one-row steps: T = 1024 183.2 -> 178.1 us, T = 256
+            # 176.1 -> 173.0); with the same tiles it runs as well there, and the fused launch only
+            # adds two empty launches after it (T = 8: 168.5 -> 170.1 us), so it is not used.
+            few_gemms_into(x, w13, w2, weights, views, activation, few, use_pdl=use_pdl)
+            few = None
         gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl,
                    fp8=operands, rowwise=rowwise)
         if separate is not None:
