@@ -672,8 +672,8 @@ def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("num_tokens,top_k", [(24, 2), (9, 8), (40, 4)])
 def test_fused_few_tiles_in_a_larger_bucket(device: str, num_tokens: int, top_k: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bucket above the few-slot size whose few-slot tiles are `fused` (and not its own) runs a
-    padded step (<= 16 valid slots) as the fused launch, placed before its GEMM launches (then
+    """A bucket above the few-slot size with tiles of more than 16 rows, whose few-slot tiles are
+    `fused`, runs a padded step (<= 16 valid slots) as the fused launch, placed before its GEMM launches (then
     compiled without the path), which returns at once on a larger batch: the same bits as the
     few-slot path inside the GEMM launches for every num_valid 0..T (a device tensor, so one call
     may take either path), garbage ids dropped and counted once, NaN padding rows, poisoned
@@ -699,13 +699,13 @@ def test_fused_few_tiles_in_a_larger_bucket(device: str, num_tokens: int, top_k:
 
     _same_bits_every_num_valid(device, inputs, run, "fused launch in a larger bucket vs the few-slot GEMMs")
     assert len(calls) == num_tokens + 1, "the fused launch ran once per fused call"
-    # With the few-slot tiles the bucket's own, the path stays inside the GEMM launches.
+    # A bucket of 16-row (decode) tiles keeps the path inside its GEMM launches.
     calls.clear()
-    same = dataclasses.replace(few, block_m=32, fused=False)
+    same = dataclasses.replace(few, fused=False)
     out = experts_triton(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
                          num_valid=NumValid(1, None), health=None, workspace=ws, config=same,
                          few_config=dataclasses.replace(few, fused=True))
-    assert not calls, "the fused launch ran for few-slot tiles equal to the bucket's"
+    assert not calls, "the fused launch ran in a bucket of 16-row tiles"
     expected = experts_reference(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids,
                                  num_valid=NumValid(1, None))
     _assert_matches(device, out, expected, what="one row, same tiles")

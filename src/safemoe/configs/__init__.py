@@ -84,9 +84,9 @@ class ExpertsConfig:
     largest such bucket; off, it runs the dispatch layout like any batch. fused: a bucket whose
     every batch takes the few-slot path (T*K <= 16) runs GEMM1 and GEMM2 as ONE launch, GEMM2's
     tiles of an expert starting as soon as that expert's GEMM1 tiles are done (with gemm1's
-    num_warps/num_stages), and so does a padded step (<= 16 valid slots) of a larger bucket whose
-    few-slot tiles are this bucket's and differ from its own: that launch goes first and returns
-    at once on a larger batch, and the larger bucket's GEMM launches are compiled without the
+    num_warps/num_stages), and so does a padded step (<= 16 valid slots) of a larger bucket with
+    block_m > 16 whose few-slot tiles are this bucket's: that launch goes first and returns at
+    once on a larger batch, and the larger bucket's GEMM launches are compiled without the
     few-slot path."""
 
     block_m: int

@@ -1405,15 +1405,17 @@ def experts_triton(
         # GEMM1 and GEMM2 in one launch (ExpertsConfig.fused)
         few_gemms_into(x, w13, w2, weights, views, activation, few, use_pdl=use_pdl)
     else:
-        if few is not None and few.config.fused and (few.config.gemm1, few.config.gemm2) != (
-                config.gemm1, config.gemm2):
-            # A larger bucket whose few-slot tiles come from a fused bucket and differ from its own:
-            # a batch with <= 16 valid slots (a padded decode step) runs that fused launch, and the
-            # GEMM launches below, compiled without the path, find no M-block (dispatch builds no
-            # layout for it). Inside those launches the path would run with the bucket's grid,
-            # warps and stages (H200, DeepSeek-V3 one-row steps: T = 1024 183.2 -> 178.1 us, T = 256
-            # 176.1 -> 173.0); with the same tiles it runs as well there, and the fused launch only
-            # adds two empty launches after it (T = 8: 168.5 -> 170.1 us), so it is not used.
+        if few is not None and few.config.fused and config.block_m > FEW_SLOTS:
+            # A bucket with tiles larger than the few-slot path's 16 rows, whose few-slot tiles come
+            # from a fused bucket: a batch with <= 16 valid slots (a padded decode step) runs that
+            # fused launch, and the GEMM launches below, compiled without the path, find no
+            # M-block (dispatch builds no layout for it). Inside those launches the path would run
+            # with their grid, warps and stages (H200, DeepSeek-V3 one-row step at T = 1024:
+            # 183.2 -> 178.1 us, full batch unchanged). With 16-row decode tiles the gain is small
+            # or negative (T = 256: 176.1 -> 173.0 us; T = 8, whose tiles are the path's own:
+            # 168.5 -> 170.1) and a bench run with the launch there had the full T = 256 batch 5.3%
+            # slower than the day before (other decode points +0.7..+1.9%; not A/B-timed), so
+            # decode buckets keep the GEMMs' path.
             few_gemms_into(x, w13, w2, weights, views, activation, few, use_pdl=use_pdl)
             few = None
         gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl,
