@@ -1311,9 +1311,11 @@ def experts_triton(
     tile of 16 rows (its slots; the intermediate is indexed by slot), run with `few_config`'s tiles
     in the GEMMs' own launch; dispatch then only zeroes its block counts, and a bucket with T*K <= 16
     launches no dispatch at all (GEMM1 counts the dropped ids into health). Three launches at
-    decode instead of four: the fused tiny-batch dispatch that issue 13 names. Not with fp8 (the
-    second quantisation pass reads the sorted layout) nor batch_invariant (the tiles would then
-    depend on num_valid).
+    decode instead of four: the fused tiny-batch dispatch that issue 13 names. In a bucket with
+    block_m > 16 whose `few_config` is `fused`, the path is instead that fused launch, placed
+    before the GEMM launches (one launch more on every call; it returns at once on a larger
+    batch). Not with fp8 (the second quantisation pass reads the sorted layout) nor
+    batch_invariant (the tiles would then depend on num_valid).
 
     ids_complete: the caller's router wrote the ids of every row in this call (padding rows' as
     -1), as `moe()` and `MoE` do; the few-slot path then loads the first 16 slots' ids together with a
