@@ -23,6 +23,7 @@ import torch
 
 import safemoe
 from helpers import (
+    INTERPRETER,
     STALE_ID,
     assert_close,
     assert_equal,
@@ -320,6 +321,93 @@ def test_experts_config_rejects_bad_fields() -> None:
     with pytest.raises(TypeError, match=r"gemm1\.interleave must be a bool, got int"):
         ExpertsConfig(16, GemmTiles(block_n=32, block_k=32, interleave=1), tiles)  # type: ignore[arg-type]
     assert ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, one_launch=True).to_json()).one_launch
+
+
+def test_gemm2_engine_config_and_interpreter_fallback() -> None:
+    """GemmTiles.engine: refused with the field named where the Gluon GEMM2 cannot run the tiles,
+    written to JSON only when set, and on the CPU interpreter (no Gluon there) the same bits as
+    the Triton engine with the same tiles."""
+    import dataclasses
+
+    plain = GemmTiles(block_n=256, block_k=64, group_m=2, num_warps=8, num_stages=2)
+    gemm1 = GemmTiles(block_n=32, block_k=32, group_m=2, num_stages=1)
+    with pytest.raises(ValueError, match=r"gemm1\.engine must be 'triton'"):
+        ExpertsConfig(128, dataclasses.replace(gemm1, engine="ws"), plain)
+    with pytest.raises(ValueError, match=r"gemm2\.engine must be one of"):
+        ExpertsConfig(128, gemm1, dataclasses.replace(plain, engine="cutlass"))
+    with pytest.raises(ValueError, match="runs block_m 128, 8 warps"):
+        ExpertsConfig(64, gemm1, dataclasses.replace(plain, engine="ws"))
+    with pytest.raises(ValueError, match="runs block_m 128, 8 warps"):
+        ExpertsConfig(128, gemm1, dataclasses.replace(plain, engine="ws", num_warps=4))
+    with pytest.raises(ValueError, match=r"do not fit an SM's shared memory"):
+        ExpertsConfig(128, gemm1, dataclasses.replace(plain, engine="ws_store", num_stages=4))
+    gluon = ExpertsConfig(128, gemm1, dataclasses.replace(plain, engine="ws_store"))
+    assert ExpertsConfig.from_json(gluon.to_json()) == gluon
+    triton_cfg = ExpertsConfig(128, gemm1, plain)
+    assert "engine" not in triton_cfg.to_json()["gemm2"]
+    if not INTERPRETER:
+        return
+    gen = torch.Generator().manual_seed(67)
+    num_tokens, num_experts, top_k, hidden, inter = 40, 4, 2, 48, 40
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float16, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).half()
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    got, expected = (_run(x, w13, w2, weights, ids, num_valid=30, config=cfg) for cfg in (gluon, triton_cfg))
+    assert_equal(got, expected, what="engine ws_store on the interpreter")
+
+
+def _compile_gemm2_ws_for_sm90(engine: str) -> str:
+    """PTX of the Gluon GEMM2 compiled for sm_90 with this Triton (no GPU needed; run outside the
+    interpreter, which replaces Gluon functions)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from safemoe.kernels import experts_ws as ws
+
+    inter_rows = torch.empty(1024, 768, dtype=torch.bfloat16)
+    w2_rows = torch.empty(4 * 2048, 768, dtype=torch.bfloat16)
+    layout = ws.gl.NVMMASharedLayout.get_default_for
+    a_desc = ws.TensorDescriptor.from_tensor(inter_rows, [128, 64], layout([128, 64], ws.gl.bfloat16))
+    b_desc = ws.TensorDescriptor.from_tensor(w2_rows, [256, 64], layout([256, 64], ws.gl.bfloat16))
+    kernel = ws._gemm2_ws_kernel
+    types = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "weights_ptr": "*fp32",
+             "sorted_slots_ptr": "*i32", "block_end_ptr": "*i32", "num_blocks_ptr": "*i32",
+             "y_ptr": "*bf16", "hidden": "i32", "inter": "i32", "num_experts": "i32"}
+    constants = {"NUM_BINS": 8, "GROUP_M": 8, "STAGES": 3, "STORE_PARTITION": engine == "ws_store",
+                 "PRODUCER_REGS": ws.PRODUCER_REGS, "STORE_WARPS": ws.STORE_WARPS,
+                 "STORE_REGS": ws.STORE_REGS, "STORE_ROWS": ws.STORE_ROWS, "num_warps": ws.NUM_WARPS}
+    signature = {**types, **dict.fromkeys(constants, "constexpr")}
+    positions = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    compiled = triton.compile(GluonASTSource(kernel, signature, positions), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": ws.NUM_WARPS, "maxnreg": ws.MAX_NREG})
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernel (test_gemm2_gluon_engine)")
+@pytest.mark.parametrize("engine", ["ws", "ws_store"])
+def test_gemm2_gluon_kernel_compiles_for_sm90(engine: str) -> None:
+    """The Gluon GEMM2 compiles for sm_90 with this Triton (PTX and ptxas, no GPU), so a change in
+    Gluon's API shows on a CPU machine too (the GPU machine has another Triton): wgmma and the
+    partitions' register hand-over (setmaxnreg) in the PTX."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        import triton.experimental.gluon._runtime  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this Triton has no Gluon compile entry point: {exc}")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, as on a GPU (safemoe keeps this choice)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from test_experts import _compile_gemm2_ws_for_sm90 as build; ptx = build(sys.argv[2]); "
+            "print(ptx.count('wgmma.mma_async'), ptx.count('setmaxnreg'))")
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), engine], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wgmma, setmaxnreg = (int(v) for v in done.stdout.split()[-2:])
+    assert wgmma >= 4 and setmaxnreg >= 2, done.stdout
 
 
 def test_nearest_bucket_serves_within_one_octave() -> None:
@@ -1014,6 +1102,64 @@ def test_model_shapes_bf16(model: str) -> None:
         _check_rel(out, ref, f"{model} T={num_tokens}")
     del w13, w2
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.memcheck
+@pytest.mark.parametrize("engine", ["ws", "ws_store"])
+def test_gemm2_gluon_engine(engine: str) -> None:
+    """GemmTiles.engine "ws" / "ws_store" (the warp-specialised Gluon GEMM2 of experts_ws.py) in a
+    CUDA graph replayed with a device num_valid of 0, 1 and 3 (few-slot path), 6 (small-batch
+    tiles: the Triton launch beside the Gluon one), 37 and T (main layout), garbage ids, NaN
+    padding rows and a NaN-poisoned workspace: the Triton engine's result within bf16 rounding,
+    the reference, exact zeros past num_valid. H is no multiple of the 256-column tile (boxes read
+    the next expert's rows, columns never stored) and I no multiple of block_k (zero-filled K)."""
+    import dataclasses
+
+    from safemoe.kernels.experts_ws import ws_usable
+
+    num_tokens, num_experts, top_k, hidden, inter = 300, 8, 4, 200, 176
+    x, w13, w2, weights, ids = _draw("cuda", num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16,
+                                     seed=61)
+    gen = torch.Generator().manual_seed(61)
+    garbage = garbage_ids(num_tokens, top_k, num_experts, generator=gen).cuda()
+    ids = torch.where(torch.rand(num_tokens, top_k, generator=gen).cuda() < 0.1, garbage, ids)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    if not ws_usable(w2, views):
+        pytest.skip("the Gluon GEMM2 runs on sm_90 only")
+    triton_cfg = ExpertsConfig(128, GemmTiles(block_n=128, block_k=64, group_m=4, num_warps=8, num_stages=3),
+                               GemmTiles(block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3))
+    gluon_cfg = dataclasses.replace(triton_cfg, gemm2=dataclasses.replace(triton_cfg.gemm2, engine=engine))
+    small = ExpertsConfig(16, GemmTiles(block_n=64, block_k=64), GemmTiles(block_n=64, block_k=64))
+    nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
+    padded = x.clone()
+    out = torch.empty_like(x)
+
+    def run(cfg: ExpertsConfig) -> None:
+        out.copy_(experts_triton(padded, w13, w2, weights, ids, activation="silu",
+                                 num_valid=_nv(nv, num_tokens, "cuda"), health=None, workspace=ws, config=cfg,
+                                 small_config=small, few_config=small))
+
+    graph, _ = capture_graph(lambda: run(gluon_cfg))
+    for count in (num_tokens, 0, 1, 3, 6, 37, num_tokens - 1):
+        nv.fill_(count)
+        padded.copy_(x)
+        padded[count:] = math.nan
+        run(triton_cfg)
+        torch.cuda.synchronize()
+        expected = out.clone()
+        views.intermediate.fill_(math.nan)
+        views.y.fill_(math.nan)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        what = f"{engine}, num_valid={count}"
+        assert_equal(out[count:], torch.zeros_like(out[count:]), what=f"padded rows, {what}")
+        if count:
+            _check_rel(out[:count], expected[:count], f"{what} vs the Triton GEMM2", tol=2e-3)
+            ref = experts_reference(padded, w13, w2, weights, ids, num_valid=_nv(count, num_tokens, "cuda"))
+            _check_rel(out[:count], ref[:count], what)
 
 
 @pytest.mark.gpu

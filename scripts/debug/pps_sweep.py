@@ -4,12 +4,13 @@
         [--pps 4,8,16,64 | --variants "pps=4;pps=8,stages=2,warps=8"] [--rounds 3] [--out FILE.json]
 
 The tuner never varies `programs_per_sm` below T = 1024 (every decode entry has 4). For each
-SHAPE:T case this times `safemoe.moe` (ab_entry.layer_step: route + experts, bf16, CUDA-graph
-replay over 8 seeded routings) with the bucket's own entry at each programs_per_sm, the values
-alternating for --rounds rounds. Only the grid changes (no recompile): a large value is one
-program per tile, scheduled by the hardware instead of a static stride. --variants instead times
-the entry changed as each `;`-separated spec says (pps, block_m, tiles, stages, warps: `changed`);
-the first variant is the baseline of the printed ratios. A measurement script, not a test.
+SHAPE:T[:num_valid] case (num_valid T unless given) this times `safemoe.moe` (ab_entry.layer_step:
+route + experts, bf16, CUDA-graph replay over 8 seeded routings) with the bucket's own entry at each
+programs_per_sm, the values alternating for --rounds rounds. Only the grid changes (no recompile): a
+large value is one program per tile, scheduled by the hardware instead of a static stride.
+--variants instead times the entry changed as each `;`-separated spec says (pps, block_m, tiles,
+stages, warps: `changed`); the first variant is the baseline of the printed ratios. A measurement
+script, not a test.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import torch
 from ab_entry import VARIANTS, layer_step, shape_named
 
 from safemoe.bench.harness import time_graph
-from safemoe.configs import ExpertsConfig, get_config, load_device_configs, shape_key
+from safemoe.configs import GEMM2_ENGINES, ExpertsConfig, get_config, load_device_configs, shape_key
 
 
 def changed(cfg: ExpertsConfig, spec: str) -> ExpertsConfig:
     """cfg with the fields of `spec`, e.g. "pps=8,stages=2,warps=8" (stages and warps of both
     GEMMs) or "bm=64,gm=8,bn1=128,bk1=64,il=1,bn2=256,bk2=64,tma1=1,tma2=0" (block_m, both GEMMs'
-    group_m, one GEMM's block_n / block_k / tma, GEMM1's interleave)."""
+    group_m, one GEMM's block_n / block_k / tma, GEMM1's interleave, "eng2=1": GEMM2's engine as an
+    index into GEMM2_ENGINES)."""
     fields = {name: int(value) for name, value in (item.split("=") for item in spec.split(",") if item)}
 
     def gemm(tiles, which: str):
@@ -41,6 +43,8 @@ def changed(cfg: ExpertsConfig, spec: str) -> ExpertsConfig:
             renames["il"] = "interleave"
         new = {field: fields[name] for name, field in renames.items() if name in fields}
         new = {k: bool(v) if k in ("tma", "interleave") else v for k, v in new.items()}
+        if which == "2" and "eng2" in fields:
+            new["engine"] = GEMM2_ENGINES[fields["eng2"]]
         return replace(tiles, **new)
 
     return replace(cfg, programs_per_sm=fields.get("pps", cfg.programs_per_sm),
@@ -50,7 +54,7 @@ def changed(cfg: ExpertsConfig, spec: str) -> ExpertsConfig:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="+", help="SHAPE:T, e.g. qwen3:8")
+    parser.add_argument("cases", nargs="+", help="SHAPE:T[:num_valid], e.g. qwen3:8 or mixtral:1024:1")
     parser.add_argument("--pps", default="4,8,16,64")
     parser.add_argument("--variants", default="", help='e.g. "pps=4;pps=8,stages=2,warps=8"')
     parser.add_argument("--rounds", type=int, default=3)
@@ -61,14 +65,15 @@ def main() -> None:
     specs = args.variants.split(";") if args.variants else [f"pps={v}" for v in args.pps.split(",")]
     results = []
     for case in args.cases:
-        prefix, _, tokens = case.partition(":")
+        prefix, tokens, *valid = case.split(":")
         num_experts, top_k, hidden, inter, _ = shape_named(prefix)
         num_tokens = int(tokens)
+        num_valid = int(valid[0]) if valid else num_tokens
         key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
         own = get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device)
         had_entry = num_tokens in table.get(key, {})
         table.setdefault(key, {})
-        step = layer_step(prefix, num_tokens, num_tokens, device)
+        step = layer_step(prefix, num_tokens, num_valid, device)
         variants = {spec: changed(own, spec) for spec in specs}
         times: dict[str, list[float]] = {spec: [] for spec in specs}
         for _ in range(args.rounds):

@@ -39,6 +39,7 @@ CONFIG_DIR = Path(__file__).parent
 # The workspace is sized for this BLOCK_M, so any configuration may use any BLOCK_M up to it.
 MAX_BLOCK_M = 128
 BLOCK_M_CHOICES = (16, 32, 64, 128)
+GEMM2_ENGINES = ("triton", "ws", "ws_store")
 # Batch-invariant mode without a tuned "batch_invariant" entry uses the tiles of this many tokens
 # for every T: a mid-size batch (64 rows per expert on Qwen3-30B-A3B, E=128 K=8), between the decode
 # and prefill regimes. A guess, not a measurement: `scripts/tune_batch_invariant.py --write` times
@@ -56,7 +57,11 @@ class GemmTiles:
     multiples), else through pointer loads. `interleave` (GEMM1, weights in x's dtype or fp8
     per-tensor; fp8 block mode ignores it): the gate and up rows as one [block_k, 2 block_n] tile
     and one MMA a K step instead of two (with `tma` through a descriptor over w13 seen as
-    [E, I, 2, H])."""
+    [E, I, 2, H]). `engine` (GEMM2 of 128-row blocks only): "triton" (the tile loop of
+    kernels/experts.py), or the warp-specialised Gluon kernel of kernels/experts_ws.py, "ws" (a
+    TMA producer warp and two MMA warpgroups that store their tiles) or "ws_store" (a third
+    partition stores them); it needs 8 warps and runs where the GPU is sm_90 and the data bf16 or
+    fp16, the Triton tiles elsewhere."""
 
     block_n: int
     block_k: int
@@ -65,6 +70,7 @@ class GemmTiles:
     num_stages: int = 3
     tma: bool = False  # weight tiles through TMA descriptors (Hopper+; else pointer loads)
     interleave: bool = False  # GEMM1: gate and up rows as one tile, one MMA a K step
+    engine: str = "triton"  # GEMM2: "triton", or the Gluon kernel "ws" / "ws_store"
 
 
 @dataclass(frozen=True)
@@ -111,13 +117,39 @@ class ExpertsConfig:
                 flag_value = getattr(tiles, attr)
                 if not isinstance(flag_value, bool):
                     raise TypeError(f"{name}.{attr} must be a bool, got {type(flag_value).__name__}")
+        self._check_engines()
         for flag in ("one_launch", "few", "fused"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 
+    def _check_engines(self) -> None:
+        if self.gemm1.engine != "triton":
+            raise ValueError("gemm1.engine must be 'triton' (the Gluon engines are GEMM2's), got "
+                             f"{self.gemm1.engine!r}")
+        tiles = self.gemm2
+        if tiles.engine not in GEMM2_ENGINES:
+            raise ValueError(f"gemm2.engine must be one of {GEMM2_ENGINES}, got {tiles.engine!r}")
+        if tiles.engine == "triton":
+            return
+        if (self.block_m != 128 or tiles.num_warps != 8 or tiles.block_n not in (128, 256)
+                or tiles.block_k > 128):
+            raise ValueError(f"gemm2.engine {tiles.engine!r} runs block_m 128, 8 warps, block_n 128 or 256 "
+                             f"and block_k <= 128, got block_m {self.block_m}, {tiles}")
+        # shared memory: the ring, and the store partition's tile or (measured, ~17-21 KiB) the
+        # scratch of the epilogue's layout change
+        ring = tiles.num_stages * (128 + tiles.block_n) * tiles.block_k * 2
+        epilogue = 128 * tiles.block_n * 2 if tiles.engine == "ws_store" else 24 * 1024
+        if ring + epilogue > 230 * 1024 or tiles.num_stages < 2:
+            raise ValueError(f"gemm2.engine {tiles.engine!r}: {tiles.num_stages} stages of {tiles.block_n} "
+                             f"x {tiles.block_k} tiles do not fit an SM's shared memory (2 or more, "
+                             "<= 230 KiB)")
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("extra")
+        for name in ("gemm1", "gemm2"):  # tables written before the field stay as they were
+            if data[name]["engine"] == "triton":
+                data[name].pop("engine")
         return data
 
     @staticmethod

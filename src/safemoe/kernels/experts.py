@@ -53,6 +53,7 @@ from safemoe.configs import ExpertsConfig, GemmTiles, batch_invariant_config, ge
 from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
+from safemoe.kernels.experts_ws import gemm2_ws_into, ws_usable
 from safemoe.kernels.launch import (
     launch_options,
     load_num_valid,
@@ -1435,10 +1436,21 @@ def experts_triton(
             quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
                                     operands.group or inter, views.sorted_slots, views.num_blocks,
                                     config.block_m, small_block_m, positions, use_pdl=use_pdl)
-        gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
-                   fp8=operands, rowwise=rowwise)
-        if separate is not None:
-            gemm2_into(w2, weights, views, num_tokens, top_k, separate, layout=1, max_tokens=small_tokens,
-                       use_pdl=use_pdl, fp8=operands)
+        if config.gemm2.engine != "triton" and operands is None and ws_usable(w2, views):
+            # The Gluon GEMM2 (GemmTiles.engine) over the main layout; the small-batch and few-slot
+            # regimes, which it does not hold, in a Triton launch over layout 1 (dispatch leaves
+            # the layout a batch does not use empty, so one of the two launches finds no work).
+            gemm2_ws_into(w2, weights, views, num_tokens, top_k, config)
+            if small_config is not None or few is not None:
+                aux = small_config if small_config is not None else replace(
+                    config, gemm2=replace(config.gemm2, engine="triton"))
+                gemm2_into(w2, weights, views, num_tokens, top_k, aux, layout=1, max_tokens=small_tokens,
+                           few=few, use_pdl=use_pdl, rowwise=rowwise)
+        else:
+            gemm2_into(w2, weights, views, num_tokens, top_k, config, small=merged, few=few, use_pdl=use_pdl,
+                       fp8=operands, rowwise=rowwise)
+            if separate is not None:
+                gemm2_into(w2, weights, views, num_tokens, top_k, separate, layout=1, max_tokens=small_tokens,
+                           use_pdl=use_pdl, fp8=operands)
     combine_into(views.y, ids, num_experts, num_valid, out, use_pdl=use_pdl)
     return out
