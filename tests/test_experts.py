@@ -385,7 +385,7 @@ def _compile_gemm2_ws_for_sm90(engine: str) -> str:
     return compiled.asm["ptx"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernel (test_gemm2_gluon_engine)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernel (its own test)")
 @pytest.mark.parametrize("engine", ["ws", "ws_store"])
 def test_gemm2_gluon_kernel_compiles_for_sm90(engine: str) -> None:
     """The Gluon GEMM2 compiles for sm_90 with this Triton (PTX and ptxas, no GPU), so a change in
@@ -1107,7 +1107,7 @@ def test_model_shapes_bf16(model: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.memcheck
 @pytest.mark.parametrize("engine", ["ws", "ws_store"])
-def test_gemm2_gluon_engine(engine: str) -> None:
+def test_gemm2_gluon_engine_in_graph(engine: str) -> None:
     """GemmTiles.engine "ws" / "ws_store" (the warp-specialised Gluon GEMM2 of experts_ws.py) in a
     CUDA graph replayed with a device num_valid of 0, 1 and 3 (few-slot path), 6 (small-batch
     tiles: the Triton launch beside the Gluon one), 37 and T (main layout), garbage ids, NaN
