@@ -72,28 +72,13 @@ if GLUON_AVAILABLE:
         return first_m + (tile % width) % size_m, (tile % width) // size_m
 
     @gluon.jit
-    def _producer(
-        a_desc,
-        b_desc,
-        block_end_ptr,
-        a_bufs,
-        b_bufs,
-        ready,
-        empty,
-        num_m_blocks,
-        hidden,
-        inter,
-        num_experts,
-        NUM_BINS: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):
+    def _producer(a_desc, b_desc, block_end_ptr, a_bufs, b_bufs, ready, empty, num_m_blocks, hidden, inter,
+                  num_experts, NUM_BINS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         """One warp: every (tile, K step) load of this program, up to STAGES ahead of the MMAs."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
-        bins_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        bins = gl.arange(0, NUM_BINS, layout=bins_layout)
+        bins = gl.arange(0, NUM_BINS, layout=gl.BlockedLayout([1], [32], [1], [0]))
         block_end = gl.load(block_end_ptr + bins, mask=bins < num_experts, other=2147483647)
         num_n_blocks = gl.cdiv(hidden, BN)
         k_steps = gl.cdiv(inter, BK)
@@ -101,8 +86,8 @@ if GLUON_AVAILABLE:
         for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
             m_block, n_block = _coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
             expert = gl.sum((block_end <= m_block).to(gl.int32), axis=0)
-            # Boxes past an expert's H rows read the next expert's (columns never stored); past
-            # the tensor or past I, zeros.
+            # Boxes past an expert's H rows read the next expert's (columns never stored); past the
+            # tensor or past I, zeros.
             w_row = expert * hidden + n_block * BN
             for k in range(k_steps):
                 slot = count % STAGES
@@ -115,134 +100,54 @@ if GLUON_AVAILABLE:
                 count += 1
 
     @gluon.jit
-    def _mma_tile(
-        a_bufs,
-        b_bufs,
-        ready,
-        empty,
-        count,
-        k_steps,
-        acc_layout: gl.constexpr,
-        BM: gl.constexpr,
-        BN: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):
-        """One tile's K loop over the ring from slot count: (fp32 accumulator, count after it)."""
-        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-        for k in range(k_steps):
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            acc = warpgroup_mma(
-                a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=k > 0, is_async=True
-            )
-            # one group in flight: the previous step's MMA has retired, so its slot takes new loads
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), count=1, pred=k > 0)
-            count += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), count=1)
-        return acc, count
-
-    @gluon.jit
-    def _weighted(acc, m_block, slots_ptr, weights_ptr, acc_layout: gl.constexpr, BM: gl.constexpr):
-        """(acc rows scaled by their slots' routing weights in fp32, the slots: -1 in padding)."""
-        rows = m_block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-        slots = gl.load(slots_ptr + rows)
-        weight = gl.load(weights_ptr + gl.maximum(slots, 0), mask=slots >= 0, other=0.0)
-        return acc * weight[:, None], slots
-
-    @gluon.jit
-    def _mma_and_store(
-        a_bufs,
-        b_bufs,
-        ready,
-        empty,
-        slots_ptr,
-        weights_ptr,
-        y_ptr,
-        num_m_blocks,
-        hidden,
-        inter,
-        BM: gl.constexpr,
-        BN: gl.constexpr,
-        BK: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """Default partition of engine "ws": the MMAs, then each tile's rows stored to y[slot]."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
-        )
+    def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, slots_ptr, weights_ptr, y_ptr,
+                       num_m_blocks, hidden, inter, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_PARTITION: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """Default partition: each tile's K loop over the ring (wgmma, one group in flight, a slot
+        freed once the MMA reading it has retired), the rows scaled by their slots' routing weights
+        in fp32, then stored to y[slot] here, or (STORE_PARTITION) written to c_smem for the store
+        partition once it has taken the previous tile."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BN, 16])
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        num_n_blocks = gl.cdiv(hidden, BN)
-        k_steps = gl.cdiv(inter, BK)
-        count = 0
-        for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
-            m_block, n_block = _coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
-            acc, count = _mma_tile(a_bufs, b_bufs, ready, empty, count, k_steps, acc_layout, BM, BN, STAGES)
-            scaled, slots = _weighted(acc, m_block, slots_ptr, weights_ptr, acc_layout, BM)
-            out = gl.convert_layout(scaled.to(y_ptr.dtype.element_ty), out_layout)
-            out_slots = gl.convert_layout(slots, gl.SliceLayout(1, out_layout))
-            cols = n_block * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-            ptrs = y_ptr + gl.maximum(out_slots, 0).to(gl.int64)[:, None] * hidden + cols[None, :]
-            gl.store(ptrs, out, mask=(out_slots >= 0)[:, None] & (cols < hidden)[None, :])
-
-    @gluon.jit
-    def _mma_to_smem(
-        a_bufs,
-        b_bufs,
-        ready,
-        empty,
-        c_smem,
-        c_ready,
-        c_empty,
-        slots_ptr,
-        weights_ptr,
-        num_m_blocks,
-        hidden,
-        inter,
-        BM: gl.constexpr,
-        BN: gl.constexpr,
-        BK: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """Default partition of engine "ws_store": the MMAs, then each scaled tile into c_smem for
-        the store partition (waiting until it has taken the previous one)."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
-        )
         num_n_blocks = gl.cdiv(hidden, BN)
         k_steps = gl.cdiv(inter, BK)
         count = 0
         local = 0
         for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
-            m_block, _ = _coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
-            acc, count = _mma_tile(a_bufs, b_bufs, ready, empty, count, k_steps, acc_layout, BM, BN, STAGES)
-            scaled, _ = _weighted(acc, m_block, slots_ptr, weights_ptr, acc_layout, BM)
-            mbarrier.wait(c_empty.index(0), (local & 1) ^ 1)
-            c_smem.store(scaled.to(c_smem.dtype))
-            mbarrier.arrive(c_ready.index(0), count=1)
+            m_block, n_block = _coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+            for k in range(k_steps):
+                slot = count % STAGES
+                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc,
+                                    use_acc=k > 0, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), count=1, pred=k > 0)
+                count += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), count=1)
+            rows = m_block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+            slots = gl.load(slots_ptr + rows)
+            weight = gl.load(weights_ptr + gl.maximum(slots, 0), mask=slots >= 0, other=0.0)
+            scaled = acc * weight[:, None]
+            if STORE_PARTITION:
+                mbarrier.wait(c_empty.index(0), (local & 1) ^ 1)
+                c_smem.store(scaled.to(c_smem.dtype))
+                mbarrier.arrive(c_ready.index(0), count=1)
+            else:
+                out = gl.convert_layout(scaled.to(y_ptr.dtype.element_ty), out_layout)
+                out_slots = gl.convert_layout(slots, gl.SliceLayout(1, out_layout))
+                cols = n_block * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+                ptrs = y_ptr + gl.maximum(out_slots, 0).to(gl.int64)[:, None] * hidden + cols[None, :]
+                gl.store(ptrs, out, mask=(out_slots >= 0)[:, None] & (cols < hidden)[None, :])
             local += 1  # noqa: SIM113 (a Gluon loop: no enumerate)
 
     @gluon.jit
-    def _smem_to_y(
-        c_smem,
-        c_ready,
-        c_empty,
-        slots_ptr,
-        y_ptr,
-        num_m_blocks,
-        hidden,
-        BM: gl.constexpr,
-        BN: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        ROWS: gl.constexpr,
-        WARPS: gl.constexpr,
-    ):
-        """Store partition of engine "ws_store": each tile from c_smem to y[slot], ROWS rows a step."""
+    def _store_partition(c_smem, c_ready, c_empty, slots_ptr, y_ptr, num_m_blocks, hidden, BM: gl.constexpr,
+                         BN: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+        """Engine "ws_store": each tile from c_smem to y[slot], ROWS rows a step, then c_smem back."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         num_n_blocks = gl.cdiv(hidden, BN)
         local = 0
@@ -265,21 +170,13 @@ if GLUON_AVAILABLE:
         b_desc,  # [BN, BK] boxes of w2 seen as [E * H, I]
         weights_ptr,  # [T, K] float32, indexed by slot
         sorted_slots_ptr,  # [capacity] int32, -1 in padding
-        block_end_ptr,  # [E] int32
+        block_end_ptr,  # [E] int32: inclusive prefix sum of each expert's M-blocks
         num_blocks_ptr,  # [2] int32: M-blocks of the main layout first
         y_ptr,  # [T*K, H]
-        hidden,
-        inter,
-        num_experts,
-        NUM_BINS: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        STORE_PARTITION: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
-        STORE_WARPS: gl.constexpr,
-        STORE_REGS: gl.constexpr,
-        STORE_ROWS: gl.constexpr,
-        num_warps: gl.constexpr,
+        hidden, inter, num_experts,
+        NUM_BINS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_PARTITION: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
+        STORE_ROWS: gl.constexpr, num_warps: gl.constexpr,
     ):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -292,6 +189,8 @@ if GLUON_AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        # Each partition's arguments are written out in place: a tuple variable would turn the
+        # constexprs in it into runtime values.
         if STORE_PARTITION:
             c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], a_desc.dtype)
             c_smem = gl.allocate_shared_memory(a_desc.dtype, [BM, BN], c_layout)
@@ -299,120 +198,25 @@ if GLUON_AVAILABLE:
             c_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             mbarrier.init(c_ready.index(0), count=1)
             mbarrier.init(c_empty.index(0), count=1)
-            gl.warp_specialize(
-                [
-                    (
-                        _mma_to_smem,
-                        (
-                            a_bufs,
-                            b_bufs,
-                            ready,
-                            empty,
-                            c_smem,
-                            c_ready,
-                            c_empty,
-                            sorted_slots_ptr,
-                            weights_ptr,
-                            num_m_blocks,
-                            hidden,
-                            inter,
-                            BM,
-                            BN,
-                            BK,
-                            GROUP_M,
-                            STAGES,
-                            num_warps,
-                        ),
-                    ),
-                    (
-                        _producer,
-                        (
-                            a_desc,
-                            b_desc,
-                            block_end_ptr,
-                            a_bufs,
-                            b_bufs,
-                            ready,
-                            empty,
-                            num_m_blocks,
-                            hidden,
-                            inter,
-                            num_experts,
-                            NUM_BINS,
-                            GROUP_M,
-                            STAGES,
-                        ),
-                    ),
-                    (
-                        _smem_to_y,
-                        (
-                            c_smem,
-                            c_ready,
-                            c_empty,
-                            sorted_slots_ptr,
-                            y_ptr,
-                            num_m_blocks,
-                            hidden,
-                            BM,
-                            BN,
-                            GROUP_M,
-                            STORE_ROWS,
-                            STORE_WARPS,
-                        ),
-                    ),
-                ],
-                [1, STORE_WARPS],
-                [PRODUCER_REGS, STORE_REGS],
-            )
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
+                                  sorted_slots_ptr, weights_ptr, y_ptr, num_m_blocks, hidden, inter, BM, BN,
+                                  BK, GROUP_M, STAGES, True, num_warps)),
+                (_producer, (a_desc, b_desc, block_end_ptr, a_bufs, b_bufs, ready, empty, num_m_blocks,
+                             hidden, inter, num_experts, NUM_BINS, GROUP_M, STAGES)),
+                (_store_partition, (c_smem, c_ready, c_empty, sorted_slots_ptr, y_ptr, num_m_blocks, hidden,
+                                    BM, BN, GROUP_M, STORE_ROWS, STORE_WARPS)),
+            ], [1, STORE_WARPS], [PRODUCER_REGS, STORE_REGS])
             mbarrier.invalidate(c_ready.index(0))
             mbarrier.invalidate(c_empty.index(0))
-        else:
-            gl.warp_specialize(
-                [
-                    (
-                        _mma_and_store,
-                        (
-                            a_bufs,
-                            b_bufs,
-                            ready,
-                            empty,
-                            sorted_slots_ptr,
-                            weights_ptr,
-                            y_ptr,
-                            num_m_blocks,
-                            hidden,
-                            inter,
-                            BM,
-                            BN,
-                            BK,
-                            GROUP_M,
-                            STAGES,
-                            num_warps,
-                        ),
-                    ),
-                    (
-                        _producer,
-                        (
-                            a_desc,
-                            b_desc,
-                            block_end_ptr,
-                            a_bufs,
-                            b_bufs,
-                            ready,
-                            empty,
-                            num_m_blocks,
-                            hidden,
-                            inter,
-                            num_experts,
-                            NUM_BINS,
-                            GROUP_M,
-                            STAGES,
-                        ),
-                    ),
-                ],
-                [1],
-                [PRODUCER_REGS],
-            )
+        else:  # (the ring's buffers stand in for the store partition's, never touched)
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, ready, empty, a_bufs, ready, ready,
+                                  sorted_slots_ptr, weights_ptr, y_ptr, num_m_blocks, hidden, inter, BM, BN,
+                                  BK, GROUP_M, STAGES, False, num_warps)),
+                (_producer, (a_desc, b_desc, block_end_ptr, a_bufs, b_bufs, ready, empty, num_m_blocks,
+                             hidden, inter, num_experts, NUM_BINS, GROUP_M, STAGES)),
+            ], [1], [PRODUCER_REGS])
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
@@ -427,23 +231,12 @@ def ws_usable(w2: torch.Tensor, views: WorkspaceViews) -> bool:
         return False
     inter = views.intermediate
     rows_ok = (inter.shape[1] * inter.element_size()) % 16 == 0 and inter.stride(1) == 1
-    return bool(
-        rows_ok
-        and inter.data_ptr() % 16 == 0
-        and w2.is_contiguous()
-        and w2.data_ptr() % 16 == 0
-        and views.intermediate.dtype == w2.dtype
-    )
+    return bool(rows_ok and inter.data_ptr() % 16 == 0 and w2.is_contiguous() and w2.data_ptr() % 16 == 0
+                and inter.dtype == w2.dtype)
 
 
-def gemm2_ws_into(
-    w2: torch.Tensor,
-    weights: torch.Tensor,
-    views: WorkspaceViews,
-    num_tokens: int,
-    top_k: int,
-    cfg: ExpertsConfig,
-) -> None:
+def gemm2_ws_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
+                  cfg: ExpertsConfig) -> None:
     """GEMM2 over the main dispatch layout (views.num_blocks[0] M-blocks of 128 positions) with
     the Gluon kernel; `cfg.gemm2` gives block_n, block_k, group_m, num_stages and the engine
     ("ws" or "ws_store"). The caller checked `ws_usable`. Launched without PDL: it starts after
@@ -454,30 +247,14 @@ def gemm2_ws_into(
     a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, tiles.block_k], gl_dtype)
     b_layout = gl.NVMMASharedLayout.get_default_for([tiles.block_n, tiles.block_k], gl_dtype)
     a_desc = TensorDescriptor.from_tensor(views.intermediate, [BLOCK_M, tiles.block_k], a_layout)
-    b_desc = TensorDescriptor.from_tensor(
-        w2.view(num_experts * hidden, inter), [tiles.block_n, tiles.block_k], b_layout
-    )
+    w2_rows = w2.view(num_experts * hidden, inter)
+    b_desc = TensorDescriptor.from_tensor(w2_rows, [tiles.block_n, tiles.block_k], b_layout)
     tile_count = max_m_blocks(num_tokens, num_experts, top_k, BLOCK_M) * triton.cdiv(hidden, tiles.block_n)
     grid = max(1, min(tile_count, torch.cuda.get_device_properties(w2.device).multi_processor_count))
     _gemm2_ws_kernel[(grid,)](
-        a_desc,
-        b_desc,
-        weights,
-        views.sorted_slots,
-        views.block_end,
-        views.num_blocks,
-        views.y,
-        hidden,
-        inter,
-        num_experts,
-        NUM_BINS=num_bins(num_experts),
-        GROUP_M=tiles.group_m,
-        STAGES=tiles.num_stages,
-        STORE_PARTITION=tiles.engine == "ws_store",
-        PRODUCER_REGS=PRODUCER_REGS,
-        STORE_WARPS=STORE_WARPS,
-        STORE_REGS=STORE_REGS,
-        STORE_ROWS=STORE_ROWS,
-        num_warps=NUM_WARPS,
-        maxnreg=MAX_NREG,
+        a_desc, b_desc, weights, views.sorted_slots, views.block_end, views.num_blocks, views.y,
+        hidden, inter, num_experts,
+        NUM_BINS=num_bins(num_experts), GROUP_M=tiles.group_m, STAGES=tiles.num_stages,
+        STORE_PARTITION=tiles.engine == "ws_store", PRODUCER_REGS=PRODUCER_REGS, STORE_WARPS=STORE_WARPS,
+        STORE_REGS=STORE_REGS, STORE_ROWS=STORE_ROWS, num_warps=NUM_WARPS, maxnreg=MAX_NREG,
     )
