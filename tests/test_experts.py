@@ -356,6 +356,62 @@ def test_gemm2_engine_config_and_interpreter_fallback() -> None:
     assert_equal(got, expected, what="engine ws_store on the interpreter")
 
 
+@interpreter_only(INTERPRETER_ONLY)
+def test_gemm2_engine_split_of_the_regimes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """How experts_triton runs a bucket whose GEMM2 is the Gluon engine, checked on the CPU with
+    the engine stood in by a torch implementation of its contract (kernels/experts_ws.py: y[slot]
+    = weight * row @ w2[expert].T for the used positions of the main layout's num_blocks[0]
+    M-blocks, padding never stored): the engine over layout 0 and a Triton launch over layout 1
+    for the small-batch and few-slot regimes give the Triton engine's results for num_valid 0 and
+    1-4 (few-slot path), 5-8 (small-batch tiles), 9 and T (main layout), with NaN padding rows and
+    a NaN-poisoned workspace; the engine ran once a call, finding no block outside the main layout."""
+    import dataclasses
+
+    import safemoe.kernels.experts as experts_module
+
+    blocks_seen: list[int] = []
+
+    def contract(w2, weights, views, num_tokens, top_k, cfg) -> None:
+        blocks = int(views.num_blocks[0])
+        blocks_seen.append(blocks)
+        for m_block in range(blocks):
+            expert = int((views.block_end <= m_block).sum())
+            positions = torch.arange(m_block * 128, (m_block + 1) * 128)
+            slots = views.sorted_slots[positions].long()
+            used = slots >= 0
+            rows = views.intermediate[positions[used]].float() @ w2[expert].float().T
+            views.y[slots[used]] = (rows * weights.flatten()[slots[used], None]).to(views.y.dtype)
+
+    monkeypatch.setattr(experts_module, "ws_usable", lambda w2, views: True)
+    monkeypatch.setattr(experts_module, "gemm2_ws_into", contract)
+    gen = torch.Generator().manual_seed(71)
+    num_tokens, num_experts, top_k, hidden, inter = 40, 4, 4, 32, 48
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    main = ExpertsConfig(128, GemmTiles(block_n=32, block_k=32, group_m=2, num_stages=1),
+                         GemmTiles(block_n=128, block_k=32, group_m=2, num_warps=8, num_stages=2))
+    gluon = dataclasses.replace(main, gemm2=dataclasses.replace(main.gemm2, engine="ws"))
+    small = _config(16)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu")
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    for count in (0, 1, 4, 5, 8, 9, num_tokens):
+        padded = x.clone()
+        padded[count:] = math.nan
+        results = []
+        for cfg in (main, gluon):
+            views.intermediate.fill_(math.nan)
+            views.y.fill_(math.nan)
+            results.append(experts_triton(padded, w13, w2, weights, ids, activation="silu",
+                                          num_valid=_nv(torch.tensor(count), num_tokens, "cpu"), health=None,
+                                          workspace=ws, config=cfg, small_config=small, few_config=small,
+                                          out=poisoned(x.shape, torch.float32)))
+        assert_close(results[1], results[0], what=f"Gluon engine stand-in, num_valid={count}")
+        assert_equal(results[1][count:], torch.zeros_like(results[1][count:]))
+        assert blocks_seen[-1] == (0 if count <= 8 else int(views.block_end[-1])), f"num_valid={count}"
+    assert len(blocks_seen) == 7
+
+
 def _compile_gemm2_ws_for_sm90(engine: str) -> str:
     """PTX of the Gluon GEMM2 compiled for sm_90 with this Triton (no GPU needed; run outside the
     interpreter, which replaces Gluon functions)."""
