@@ -25,11 +25,12 @@ routing with the same per-expert counts). A measurement script, not a test.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 import triton
+from gluon_gemm2_probe import SHAPES
+from gluon_ws_gemm2_probe import run_probe
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -48,12 +49,6 @@ from safemoe.kernels.experts_ws import _coords
 # Triton 3.9 renamed both loads to async_load (same arguments as 3.6's names)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-SHAPES = {
-    "qwen3": (128, 8, 2048, 768),
-    "deepseek": (256, 8, 7168, 2048),
-    "gptoss": (128, 4, 2880, 2880),
-    "mixtral": (8, 2, 4096, 14336),
-}
 
 
 @gluon.jit
@@ -255,23 +250,10 @@ def probe_shape(name: str, tokens: int, peak: float, sms: int, variants: list) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="qwen3,deepseek,gptoss,mixtral")
-    parser.add_argument("--tokens", type=int, default=8192)
-    args = parser.parse_args()
-    from safemoe.bench.harness import _measure_bf16_tflops
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    peak = _measure_bf16_tflops(torch.device("cuda"), 8192)
-    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: bf16 peak {peak:.0f} TFLOP/s",
-          flush=True)
-    # (BN, BK, STAGES, producer warps, producer registers): a stage is a [128, BK] gathered A tile and
-    # two [BN, BK] weight tiles (BN 128, BK 64: 48 KiB)
+    # (BN, BK, STAGES, producer warps, producer registers): a stage is a [128, BK] gathered A tile
+    # and two [BN, BK] weight tiles (BN 128, BK 64: 48 KiB)
     variants = [(128, 64, 4, 4, 88), (128, 64, 3, 4, 88), (64, 64, 5, 4, 88), (128, 64, 4, 8, 64)]
-    for name in args.shapes.split(","):
-        probe_shape(name, args.tokens, peak, sms, variants)
-        torch.cuda.empty_cache()
-
+    run_probe(__doc__.splitlines()[0], probe_shape, variants)
 
 if __name__ == "__main__":
     main()

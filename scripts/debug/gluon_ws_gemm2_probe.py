@@ -21,17 +21,11 @@ import statistics
 
 import torch
 import triton
+from gluon_gemm2_probe import SHAPES
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from safemoe.bench.harness import event_times_us
-
-SHAPES = {
-    "qwen3": (128, 8, 2048, 768),
-    "deepseek": (256, 8, 7168, 2048),
-    "gptoss": (128, 4, 2880, 2880),
-    "mixtral": (8, 2, 4096, 14336),
-}
 
 
 def descriptors(inter_rows: torch.Tensor, w2_rows: torch.Tensor, bm: int, bn: int, bk: int):
@@ -85,26 +79,29 @@ def library_gemm2_us(experts: int, top_k: int, hidden: int, inter: int, tokens: 
     return total / reps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_probe(description: str, probe_shape, variants: list) -> None:
+    """--shapes / --tokens, the bf16 ceiling measured once, then probe_shape(name, T, peak, SMs,
+    variants) for each shape (shared by the Gluon GEMM1 probe)."""
+    from safemoe.bench.harness import _measure_bf16_tflops
+
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--shapes", default="qwen3,deepseek,gptoss,mixtral")
     parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args()
-    from safemoe.bench.harness import _measure_bf16_tflops
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     peak = _measure_bf16_tflops(torch.device("cuda"), 8192)
-    print(
-        f"{torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}: "
-        f"bf16 peak (torch.mm 8192^3) {peak:.0f} TFLOP/s",
-        flush=True,
-    )
-    # (engine, BN, BK, STAGES, GROUP_M); the ninth session also ran GROUP_M 4 / 16, 128-column
-    # tiles and a 2-stage store partition (all slower, docs/experts.md)
-    variants = [("ws", 256, 64, 3, 8), ("ws", 256, 64, 4, 8), ("ws_store", 256, 64, 3, 8)]
+    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}: "
+          f"bf16 peak (torch.mm 8192^3) {peak:.0f} TFLOP/s", flush=True)
     for name in args.shapes.split(","):
         probe_shape(name, args.tokens, peak, sms, variants)
         torch.cuda.empty_cache()
+
+
+def main() -> None:
+    # (engine, BN, BK, STAGES, GROUP_M); the ninth session also ran GROUP_M 4 / 16, 128-column
+    # tiles and a 2-stage store partition (all slower, docs/experts.md)
+    variants = [("ws", 256, 64, 3, 8), ("ws", 256, 64, 4, 8), ("ws_store", 256, 64, 3, 8)]
+    run_probe(__doc__.splitlines()[0], probe_shape, variants)
 
 
 def probe_shape(name: str, tokens: int, peak: float, sms: int, variants: list) -> None:
