@@ -18,8 +18,10 @@ warpgroups of 64 rows) fences the generic-proxy writes for wgmma, multiplies the
 weight slots (two accumulators), frees the slot once those MMAs have retired, and stores
 silu(gate) * up to the intermediate's rows (the layout GEMM2 reads).
 
-It times, at T = 8192 with every expert given exactly T*K/E rows, the kernel in a few variants, and
-the library's own GEMM1 as the table runs it (a torch.profiler trace of `safemoe.experts` on a
+It times, at T = 8192 with every expert given exactly T*K/E rows, the kernel in a few variants
+(one reading A through TMA from x laid out by position beforehand, with that pass, a torch
+index_select, timed apart: the alternative to gathering in the producer), and the library's own
+GEMM1 as the table runs it (a torch.profiler trace of `safemoe.experts` on a
 routing with the same per-expert counts). A measurement script, not a test.
 """
 
@@ -52,10 +54,12 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 
 
 @gluon.jit
-def _gather_producer(x_ptr, w_desc, slots_ptr, block_end_ptr, a_bufs, gate_bufs, up_bufs, ready, empty,
-                     num_m_blocks, hidden, inter, num_experts, TOP_K: gl.constexpr, NUM_BINS: gl.constexpr,
-                     BM: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                     WARPS: gl.constexpr):
+def _gather_producer(x_ptr, a_desc, w_desc, slots_ptr, block_end_ptr, a_bufs, gate_bufs, up_bufs, ready,
+                     empty, num_m_blocks, hidden, inter, num_experts, TOP_K: gl.constexpr,
+                     NUM_BINS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr, WARPS: gl.constexpr, GATHER: gl.constexpr):
+    """GATHER: the A rows by cp.async from x; else by TMA from a_desc, over x already laid out by
+    position (the pre-gathered variant)."""
     BN: gl.constexpr = w_desc.block_type.shape[0]
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [WARPS, 1], [1, 0])
     bins = gl.arange(0, NUM_BINS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
@@ -76,12 +80,16 @@ def _gather_producer(x_ptr, w_desc, slots_ptr, block_end_ptr, a_bufs, gate_bufs,
         for k in range(k_steps):
             slot = count % STAGES
             mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-            cols = k * BK + ks
-            _cp_async(a_bufs.index(slot), x_ptr + row_offsets[:, None] + cols[None, :],
-                      mask=(slots >= 0)[:, None] & (cols < hidden)[None, :])
-            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             bar = ready.index(slot)
-            mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+            if GATHER:
+                cols = k * BK + ks
+                _cp_async(a_bufs.index(slot), x_ptr + row_offsets[:, None] + cols[None, :],
+                          mask=(slots >= 0)[:, None] & (cols < hidden)[None, :])
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+                mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+                _tma_load(a_desc, [m_block * BM, k * BK], bar, a_bufs.index(slot))
             # gate rows [n, n + BN) and up rows [I + n, ...) of the expert (boxes past I read the
             # next rows, whose columns are never stored; past H zeros)
             _tma_load(w_desc, [gate_row, k * BK], bar, gate_bufs.index(slot))
@@ -124,12 +132,13 @@ def _gate_up_mma(a_bufs, gate_bufs, up_bufs, ready, empty, slots_ptr, inter_ptr,
 
 
 @gluon.jit
-def _ws_gemm1(x_ptr, w_desc, slots_ptr, block_end_ptr, num_blocks_ptr, inter_ptr, hidden, inter, num_experts,
-              TOP_K: gl.constexpr, NUM_BINS: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-              num_warps: gl.constexpr):
+def _ws_gemm1(x_ptr, a_desc, w_desc, slots_ptr, block_end_ptr, num_blocks_ptr, inter_ptr, hidden, inter,
+              num_experts, TOP_K: gl.constexpr, NUM_BINS: gl.constexpr, BK: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+              PRODUCER_REGS: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr):
     """inter[position] = silu(x[slot // K] @ w_gate.T) * (x[slot // K] @ w_up.T) for the 128-row
-    M-blocks of the dispatch layout; w_desc: [BN, BK] boxes of w13 seen as [E * 2I, H]."""
+    M-blocks of the dispatch layout; w_desc: [BN, BK] boxes of w13 seen as [E * 2I, H]; a_desc
+    (GATHER False): [128, BK] boxes of x laid out by position (with GATHER, any descriptor)."""
     BM: gl.constexpr = 128
     BN: gl.constexpr = w_desc.block_type.shape[0]
     num_m_blocks = gl.load(num_blocks_ptr)
@@ -140,16 +149,16 @@ def _ws_gemm1(x_ptr, w_desc, slots_ptr, block_end_ptr, num_blocks_ptr, inter_ptr
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # the weights' expect-tx arrive, and one cp.async arrive per producer thread
-        mbarrier.init(ready.index(i), count=1 + 32 * PRODUCER_WARPS)
+        # the expect-tx arrive, and with GATHER one cp.async arrive per producer thread
+        mbarrier.init(ready.index(i), count=1 + 32 * PRODUCER_WARPS if GATHER else 1)
         mbarrier.init(empty.index(i), count=1)
     k_steps = gl.cdiv(hidden, BK)
     gl.warp_specialize([
         (_gate_up_mma, (a_bufs, gate_bufs, up_bufs, ready, empty, slots_ptr, inter_ptr, num_m_blocks, inter,
                         k_steps, BM, BN, GROUP_M, STAGES, num_warps)),
-        (_gather_producer, (x_ptr, w_desc, slots_ptr, block_end_ptr, a_bufs, gate_bufs, up_bufs, ready, empty,
-                            num_m_blocks, hidden, inter, num_experts, TOP_K, NUM_BINS, BM, BK, GROUP_M,
-                            STAGES, PRODUCER_WARPS)),
+        (_gather_producer, (x_ptr, a_desc, w_desc, slots_ptr, block_end_ptr, a_bufs, gate_bufs, up_bufs,
+                            ready, empty, num_m_blocks, hidden, inter, num_experts, TOP_K, NUM_BINS, BM, BK,
+                            GROUP_M, STAGES, PRODUCER_WARPS, GATHER)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -161,12 +170,12 @@ def weight_descriptor(w13_rows: torch.Tensor, bn: int, bk: int) -> TensorDescrip
     return TensorDescriptor.from_tensor(w13_rows, [bn, bk], layout)
 
 
-def launch(x, w_desc, slots, block_end, num_blocks, inter_rows, experts, top_k, bk, stages, producer_warps,
-           producer_regs, grid) -> None:
+def launch(x, a_desc, w_desc, slots, block_end, num_blocks, inter_rows, experts, top_k, bk, stages,
+           producer_warps, producer_regs, grid, gather=True) -> None:
     _ws_gemm1[(grid,)](
-        x, w_desc, slots, block_end, num_blocks, inter_rows, x.shape[1], inter_rows.shape[1], experts,
+        x, a_desc, w_desc, slots, block_end, num_blocks, inter_rows, x.shape[1], inter_rows.shape[1], experts,
         TOP_K=top_k, NUM_BINS=1 << experts.bit_length(), BK=bk, GROUP_M=8, STAGES=stages,
-        PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, num_warps=8,
+        PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, GATHER=gather, num_warps=8,
         maxnreg=65536 // (32 * (8 + 4 * triton.cdiv(producer_warps, 4))) // 8 * 8,
     )
 
@@ -229,16 +238,27 @@ def probe_shape(name: str, tokens: int, peak: float, sms: int, variants: list) -
         line("library GEMM1 (the table's tiles)", library_gemm1_us(experts, top_k, hidden, inter, tokens))
     except Exception as exc:  # a probe: report and go on
         print(f"  library: {type(exc).__name__}: {exc}"[:300], flush=True)
-    for bn, bk, stages, producer_warps, producer_regs in variants:
+    tokens_by_position = (slots // top_k).long()
+    x_sorted = torch.empty(slots_total, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def gather_pass() -> None:  # the pre-gathered variant's extra pass (torch, for scale)
+        torch.index_select(x, 0, tokens_by_position, out=x_sorted)
+
+    gather_pass()
+    gather_us = statistics.median(event_times_us(gather_pass, iters=20, warmup=2))
+    print(f"  (torch index_select of x by position: {gather_us:.1f} us)", flush=True)
+    for bn, bk, stages, producer_warps, producer_regs, gather in variants:
         w_desc = weight_descriptor(w13_rows, bn, bk)
+        a_desc = weight_descriptor(x_sorted, 128, bk)
         grid = min(num_m_blocks * triton.cdiv(inter, bn), sms)
 
-        def run(w_desc=w_desc, bk=bk, stages=stages, warps=producer_warps, regs=producer_regs,
-                grid=grid) -> None:
-            launch(x, w_desc, slots, block_end, num_blocks, inter_rows, experts, top_k, bk, stages, warps,
-                   regs, grid)
+        def run(a_desc=a_desc, w_desc=w_desc, bk=bk, stages=stages, warps=producer_warps, regs=producer_regs,
+                grid=grid, gather=gather) -> None:
+            launch(x, a_desc, w_desc, slots, block_end, num_blocks, inter_rows, experts, top_k, bk, stages,
+                   warps, regs, grid, gather)
 
-        label = f"WS gather BN {bn} BK {bk} x{stages} producer {producer_warps}w/{producer_regs}r"
+        how = "gather" if gather else "pre-gathered TMA"
+        label = f"WS {how} BN {bn} BK {bk} x{stages} producer {producer_warps}w/{producer_regs}r"
         try:
             inter_rows.fill_(float("nan"))
             run()
@@ -250,10 +270,13 @@ def probe_shape(name: str, tokens: int, peak: float, sms: int, variants: list) -
 
 
 def main() -> None:
-    # (BN, BK, STAGES, producer warps, producer registers): a stage is a [128, BK] gathered A tile
-    # and two [BN, BK] weight tiles (BN 128, BK 64: 48 KiB)
-    variants = [(128, 64, 4, 4, 88), (128, 64, 3, 4, 88), (64, 64, 5, 4, 88), (128, 64, 4, 8, 64)]
+    # (BN, BK, STAGES, producer warps, producer registers, gather): a stage is a [128, BK] A tile and
+    # two [BN, BK] weight tiles (BN 128, BK 64: 48 KiB); gather False reads A through TMA from x
+    # laid out by position beforehand (that pass printed apart)
+    variants = [(128, 64, 4, 4, 88, True), (128, 64, 3, 4, 88, True), (64, 64, 5, 4, 88, True),
+                (128, 64, 4, 8, 64, True), (128, 64, 4, 1, 40, False)]
     run_probe(__doc__.splitlines()[0], probe_shape, variants)
+
 
 if __name__ == "__main__":
     main()
