@@ -33,6 +33,7 @@ import torch
 import triton
 
 from safemoe.configs import ExpertsConfig
+from safemoe.kernels.launch import persistent_grid
 from safemoe.workspace import WorkspaceViews, max_m_blocks, num_bins
 
 try:  # Gluon ships with Triton >= 3.4; its Hopper TMA load was renamed in 3.7
@@ -250,7 +251,7 @@ def gemm2_ws_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews
     w2_rows = w2.view(num_experts * hidden, inter)
     b_desc = TensorDescriptor.from_tensor(w2_rows, [tiles.block_n, tiles.block_k], b_layout)
     tile_count = max_m_blocks(num_tokens, num_experts, top_k, BLOCK_M) * triton.cdiv(hidden, tiles.block_n)
-    grid = max(1, min(tile_count, torch.cuda.get_device_properties(w2.device).multi_processor_count))
+    grid = persistent_grid(tile_count, w2.device, 1)  # one program an SM: the ring fills its shared memory
     _gemm2_ws_kernel[(grid,)](
         a_desc, b_desc, weights, views.sorted_slots, views.block_end, views.num_blocks, views.y,
         hidden, inter, num_experts,
