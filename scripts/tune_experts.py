@@ -7,6 +7,7 @@ Run from the repository root on a CUDA machine:
         [--quant per_tensor|block]
     PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR --one-launch-only [--write]
     PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR --fused-only [--write]
+    PYTHONPATH=src python3 scripts/tune_experts.py --out OUT_DIR --engine-only [--write]
 
 How it searches (per model shape and token bucket T):
 1. Candidates: for each BLOCK_M that suits T's rows per expert, GEMM1 tiles with a base GEMM2, and
@@ -70,6 +71,12 @@ How it searches (per model shape and token bucket T):
    interleaved rounds; the fastest median is kept when faster than the entry's by more than
    PROGRAMS_MARGIN and the padded steps that run the bucket's tiles stay within
    ONE_LAUNCH_TOLERANCE (`check_dependents`). The full search varies the grid from T = 1024 only.
+5d. GEMM2's engine (--engine-only, for the device table's bf16 entries of ENGINE_MIN_TOKENS tokens
+   and more, or the buckets --tokens names; an sm_90 GPU): the warp-specialised Gluon GEMM2 of
+   kernels/experts_ws.py (`GemmTiles.engine`, ENGINE_VARIANTS at 256 x 64 tiles) against the
+   entry, ONE_LAUNCH_ROUNDS interleaved rounds; the fastest median is kept when faster than the
+   entry's by more than ENGINE_MARGIN (`choose_engine`). Entries whose block_m is not 128 have no
+   candidate. Below ENGINE_MIN_TOKENS a padded step pays the engine's launch (see the constant).
 6. fp8 weights (--quant per_tensor or block): the same search on e4m3 weights quantised from the
    stand-in bf16 ones (`safemoe.fp8.quantize_experts`), x bf16, under the shape's fp8 key
    (`E.._fp8-{quant}`, what `get_config(..., quant=...)` reads). Block mode's candidates keep
@@ -179,6 +186,15 @@ FUSED_MARGIN = 0.01
 # --interleave-only: the prefill buckets it times, and the margin its winner needs
 INTERLEAVE_MIN_TOKENS = 2048
 INTERLEAVE_MARGIN = 0.01
+# --engine-only: the buckets it times, the Gluon GEMM2 variants (engine, stages) and the margin
+# its winner needs. A bucket below ENGINE_MIN_TOKENS pays the engine's launch on a padded step (the
+# small-batch and few-slot tiles run in a Triton launch beside it): H200 2026-11-27, Mixtral
+# T = 1024 with one valid row 184 -> 191 us, past the 1.1x padding target, while its full batch
+# gained 6%. Whole layer, two runs (scripts/debug/pps_sweep.py): Qwen3 T = 4096-16384 -2.7..-4.9%,
+# Mixtral T = 4096/8192 -4.2..-5.1%, DeepSeek-V3 T = 8192 -3.3..-4.1%, gpt-oss T = 8192 -0.9%.
+ENGINE_MIN_TOKENS = 2048
+ENGINE_VARIANTS = (("ws", 3), ("ws", 4), ("ws_store", 3))
+ENGINE_MARGIN = 0.02
 # --programs-only: the persistent-grid sizes timed against a decode entry's (the full search varies
 # programs_per_sm only from T = 1024 up, so every decode entry kept the default 4), the buckets it
 # times (a dispatch layout, T * K > FEW_SLOTS, below PROGRAMS_MAX_TOKENS) and the margin its winner
@@ -1253,6 +1269,27 @@ def choose_interleave(medians: dict[str, float], margin: float = INTERLEAVE_MARG
     return choose_over_entry(medians, margin)
 
 
+def engine_candidates(cfg: ExpertsConfig) -> dict[str, ExpertsConfig]:
+    """The entry, the Triton GEMM2 if the entry runs a Gluon one, and each of ENGINE_VARIANTS at
+    256 x 64 tiles, 8 warps (none where block_m is not 128: the engine's tiles are 128 rows)."""
+    candidates = {"entry": cfg}
+    if cfg.gemm2.engine != "triton":
+        candidates["triton"] = replace(cfg, gemm2=replace(cfg.gemm2, engine="triton"))
+    if cfg.block_m != 128:
+        return candidates
+    for engine, stages in ENGINE_VARIANTS:
+        tiles = replace(cfg.gemm2, block_n=256, block_k=64, num_warps=8, num_stages=stages, engine=engine)
+        candidate = replace(cfg, gemm2=tiles)
+        if candidate != cfg:
+            candidates[f"{engine}_s{stages}"] = candidate
+    return candidates
+
+
+def choose_engine(medians: dict[str, float], margin: float = ENGINE_MARGIN) -> str:
+    """`choose_over_entry` with the engine margin."""
+    return choose_over_entry(medians, margin)
+
+
 def time_candidates(case: Case, candidates: dict[str, ExpertsConfig], label: str, log: list[dict[str, Any]],
                     deadline: float, est_us: float | None) -> dict[str, float] | None:
     """Median us of each candidate at case's T over ONE_LAUNCH_ROUNDS interleaved rounds; None when
@@ -1390,6 +1427,58 @@ def interleave_only(args: argparse.Namespace, names: list[str], start: float) ->
     return _finish_table_only(args, device_name, what, method, winners, log, start)
 
 
+def decide_engine(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
+                  deadline: float) -> tuple[ExpertsConfig, dict[str, float]] | None:
+    """(config kept, median us of each candidate) at case's T: ONE_LAUNCH_ROUNDS interleaved rounds
+    of `engine_candidates(cfg)`; the entry unchanged, untimed, when it has no candidate. None when
+    the budget runs out or a timing fails."""
+    candidates = engine_candidates(cfg)
+    if len(candidates) == 1:
+        return cfg, {}
+    med = time_candidates(case, candidates, "engine", log, deadline, cfg.extra.get("us"))
+    return None if med is None else (candidates[choose_engine(med)], med)
+
+
+def engine_only(args: argparse.Namespace, names: list[str], start: float) -> int:
+    """--engine-only: GEMM2's engine decided for the device table's bf16 entries of at least
+    ENGINE_MIN_TOKENS tokens (--tokens: those buckets, any size), every other field kept."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        print("--engine-only: the Gluon GEMM2 runs on sm_90 GPUs (H100/H200) only")
+        return 1
+    device, device_name, path, table = _device_table()
+    chosen, deadline, log, winners = _table_only_state(args)
+    for name in names:
+        key, entries = _shape_entries(table, name)
+        buckets = sorted(int(b) for b in entries
+                         if (int(b) >= ENGINE_MIN_TOKENS if chosen is None else int(b) in chosen))
+        print(f"{name}: GEMM2 engine timed at T = {buckets} ({key} in {path})", flush=True)
+        w13, w2 = make_weights(name, device)
+        configs = {b: ExpertsConfig.from_json(entries[str(b)]) for b in buckets}
+
+        def decide(case: Case, configs: dict[int, ExpertsConfig] = configs
+                   ) -> tuple[ExpertsConfig, dict[str, float]] | None:
+            return decide_engine(case, configs[case.num_tokens], log, deadline)
+
+        decided = decide_per_bucket(name, w13, w2, buckets, "engine", decide, None)
+        for bucket, (kept, med) in decided.items():
+            if not med:
+                print(f"  {name} T={bucket}: block_m {kept.block_m}, no engine candidate", flush=True)
+                continue
+            entry = {**entries[str(bucket)], "gemm2": kept.to_json()["gemm2"], "gemm2_engine_us": med}
+            winners.setdefault(key, {})[str(bucket)] = entry
+            verdict = f"{kept.gemm2.engine}, {kept.gemm2.num_stages} stages"
+            timings = ", ".join(f"{n} {us:.1f}" for n, us in med.items())
+            print(f"  {name} T={bucket}: {timings} us -> GEMM2 {verdict}", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+    method = ("scripts/tune_experts.py --engine-only: the table's tiles, GEMM2 as the Gluon engine "
+              f"{ENGINE_VARIANTS} at 256 x 64 tiles against the entry, full batches under CUDA-graph "
+              f"replay, medians of {ONE_LAUNCH_ROUNDS} interleaved rounds (gemm2_engine_us), kept when "
+              f"faster by more than {ENGINE_MARGIN:.0%}")
+    return _finish_table_only(args, device_name, "engine", method, winners, log, start)
+
+
 def programs_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     """--programs-only: programs_per_sm decided for the device table's bf16 decode entries
     (`programs_buckets`), every other field kept."""
@@ -1469,6 +1558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--programs-only", action="store_true",
                         help="decide programs_per_sm for the device table's decode entries (--tokens: those "
                         "buckets), other fields kept")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="decide GEMM2's engine (Triton or the Gluon kernel) for the device table's "
+                        "prefill entries (--tokens: those buckets), other fields kept")
     parser.add_argument("--fused-only", action="store_true",
                         help="re-decide fused of the device table's few-slot entries (--tokens: those "
                         "buckets), tiles kept")
@@ -1490,6 +1582,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--fused-only re-decides fused alone, for bf16 entries")
     if args.programs_only and (args.one_launch_only or args.fused_only or args.interleave_only or args.quant):
         parser.error("--programs-only decides programs_per_sm alone, for bf16 entries")
+    if args.engine_only and (args.one_launch_only or args.fused_only or args.interleave_only
+                             or args.programs_only or args.quant):
+        parser.error("--engine-only decides GEMM2's engine alone, for bf16 entries")
     if args.interleave_only and args.quant == "block":
         parser.error("--interleave-only: fp8 block mode runs GEMM1 without interleave (bf16 and per_tensor)")
     names = [n for n in args.shapes.split(",") if n]
@@ -1511,6 +1606,8 @@ def main(argv: list[str] | None = None) -> int:
         return interleave_only(args, names, start)
     if args.programs_only:
         return programs_only(args, names, start)
+    if args.engine_only:
+        return engine_only(args, names, start)
     defaults = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
     tokens_of = {
         n: tuple(int(t) for t in args.tokens.split(",")) if args.tokens else defaults[n] for n in names

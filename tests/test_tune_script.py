@@ -569,6 +569,75 @@ def test_main_interleave_only_writes_decisions(monkeypatch, tmp_path):
     assert calls == [64] * 15
 
 
+def test_engine_candidates_and_rule():
+    """GEMM2's Gluon engine at ENGINE_VARIANTS (256 x 64 tiles, 8 warps) against the entry; none
+    for a block_m other than 128; the Triton GEMM2 as a candidate when the entry already runs the
+    engine; the fastest kept only when it beats the entry by more than ENGINE_MARGIN."""
+    tune = _load()
+    entry = ExpertsConfig(128, GemmTiles(128, 64, num_warps=8), GemmTiles(256, 64, group_m=4, num_warps=8))
+    candidates = tune.engine_candidates(entry)
+    assert list(candidates) == ["entry"] + [f"{e}_s{s}" for e, s in tune.ENGINE_VARIANTS]
+    for name, candidate in list(candidates.items())[1:]:
+        tiles = candidate.gemm2
+        assert (tiles.engine, tiles.num_stages) in tune.ENGINE_VARIANTS and name.startswith(tiles.engine)
+        assert (tiles.block_n, tiles.block_k, tiles.num_warps, tiles.group_m) == (256, 64, 8, 4)
+        assert candidate.gemm1 == entry.gemm1
+    assert list(tune.engine_candidates(ExpertsConfig(64, GemmTiles(64, 64), GemmTiles(128, 64)))) == ["entry"]
+    running = candidates["ws_s4"]
+    again = tune.engine_candidates(running)
+    assert "triton" in again and again["triton"].gemm2.engine == "triton" and "ws_s4" not in again
+    margin = tune.ENGINE_MARGIN
+    assert tune.choose_engine({"entry": 100.0, "a": 100.0 * (1 - margin) - 0.01, "b": 101.0}) == "a"
+    assert tune.choose_engine({"entry": 100.0, "a": 100.0 * (1 - margin) + 0.01}) == "entry"
+
+
+def test_main_engine_only_writes_decisions(monkeypatch, tmp_path):
+    """--engine-only times the table's prefill entries (T >= ENGINE_MIN_TOKENS) against the Gluon
+    GEMM2 variants and writes the winner's GEMM2 with the medians; an entry of another block_m is
+    left untimed, smaller buckets and every other field stay as they were; it is refused off sm_90
+    and beside another -only mode."""
+    import torch
+
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    key = "E4_H64_I32_K2_bfloat16"
+    prefill = ExpertsConfig(128, GemmTiles(128, 64, num_warps=8), GemmTiles(256, 64, num_warps=8),
+                            one_launch=True)
+    entries = {"64": _cfg(32).to_json(), "2048": {**prefill.to_json(), "us": 900.0},
+               "8192": prefill.to_json(), "16384": _cfg(64).to_json()}
+    path.write_text(json.dumps({"date": "old", "notes": "kept", "configs": {key: entries}}))
+    # T=2048: ws_store wins by 4%; T=8192: the best variant by 1% only (the entry stays)
+    times = {2048: {"triton": 100.0, ("ws", 3): 98.0, ("ws", 4): 97.0, ("ws_store", 3): 96.0},
+             8192: {"triton": 400.0, ("ws", 3): 396.0, ("ws", 4): 399.0, ("ws_store", 3): 401.0}}
+    calls = []
+
+    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
+        calls.append(self.num_tokens)
+        tiles = cfg.gemm2
+        engine = "triton" if tiles.engine == "triton" else (tiles.engine, tiles.num_stages)
+        return times[self.num_tokens][engine]
+
+    monkeypatch.setattr(tune.Case, "time", fake_time)
+    out = tmp_path / "out"
+    assert tune.main(["--out", str(out), "--shapes", "tiny", "--engine-only", "--write"]) == 0
+    data = json.loads(path.read_text())
+    assert data["date"] == "old" and data["notes"] == "kept" and "engine_run" in data
+    written = data["configs"][key]
+    assert written["64"] == entries["64"] and written["16384"] == entries["16384"]
+    won = ExpertsConfig.from_json(written["2048"])
+    assert (won.gemm2.engine, won.gemm2.num_stages) == ("ws_store", 3) and won.one_launch
+    assert won.gemm1 == prefill.gemm1 and written["2048"]["us"] == 900.0
+    assert written["2048"]["gemm2_engine_us"] == {"entry": 100.0, "ws_s3": 98.0, "ws_s4": 97.0,
+                                                  "ws_store_s3": 96.0}
+    assert ExpertsConfig.from_json(written["8192"]).gemm2 == prefill.gemm2
+    assert sorted(calls) == [2048] * 12 + [8192] * 12  # 4 candidates x ONE_LAUNCH_ROUNDS; 16384 untimed
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert tune.main(["--out", str(out), "--shapes", "tiny", "--engine-only"]) == 1
+    with pytest.raises(SystemExit):
+        tune.main(["--out", str(out), "--shapes", "tiny", "--engine-only", "--programs-only"])
+
+
 def test_main_interleave_only_fp8_per_tensor_entries(monkeypatch, tmp_path):
     """--interleave-only --quant per_tensor decides the fp8 per-tensor key's entries, timed on
     quantised weights (every Case carries them), and records its run under its own name; the bf16
