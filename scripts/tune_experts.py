@@ -1386,6 +1386,28 @@ def _table_only_state(args: argparse.Namespace
     return chosen, time.time() + args.budget_s, [], {}
 
 
+def _table_buckets(entries: dict[str, Any], chosen: set[int] | None, min_tokens: int) -> list[int]:
+    """A shape's table buckets a --*-only run decides: those --tokens names, else min_tokens and up."""
+    return sorted(int(b) for b in entries if (int(b) >= min_tokens if chosen is None else int(b) in chosen))
+
+
+def _decide_entries(name: str, device: torch.device, entries: dict[str, Any], buckets: list[int], what: str,
+                    decide_one: Callable[[Case, ExpertsConfig], Decision | None],
+                    quant: str | None = None) -> dict[int, Decision]:
+    """decide_one(case, the bucket's entry) for each bucket of a shape, on stand-in weights made once
+    (quant: quantised to fp8 of that mode, every Case carrying them)."""
+    w13, w2 = make_weights(name, device)
+    fp8 = None
+    if quant is not None:
+        w13, w2, fp8 = quantize_weights(w13, w2, quant)
+    configs = {b: ExpertsConfig.from_json(entries[str(b)]) for b in buckets}
+    decided = decide_per_bucket(name, w13, w2, buckets, what,
+                                lambda case: decide_one(case, configs[case.num_tokens]), fp8)
+    del w13, w2
+    torch.cuda.empty_cache()
+    return decided
+
+
 def interleave_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     """--interleave-only: GEMM1's interleave decided for the device table's bf16 entries (with
     --quant per_tensor: its fp8 per-tensor entries, timed on quantised stand-in weights) of at
@@ -1394,28 +1416,16 @@ def interleave_only(args: argparse.Namespace, names: list[str], start: float) ->
     chosen, deadline, log, winners = _table_only_state(args)
     for name in names:
         key, entries = _shape_entries(table, name, args.quant)
-        buckets = sorted(int(b) for b in entries
-                         if (int(b) >= INTERLEAVE_MIN_TOKENS if chosen is None else int(b) in chosen))
+        buckets = _table_buckets(entries, chosen, INTERLEAVE_MIN_TOKENS)
         print(f"{name}: interleave timed at T = {buckets} ({key} in {path})", flush=True)
-        w13, w2 = make_weights(name, device)
-        fp8 = None
-        if args.quant is not None:
-            w13, w2, fp8 = quantize_weights(w13, w2, args.quant)
-        configs = {b: ExpertsConfig.from_json(entries[str(b)]) for b in buckets}
-
-        def decide(case: Case, configs: dict[int, ExpertsConfig] = configs
-                   ) -> tuple[ExpertsConfig, dict[str, float]] | None:
-            return decide_interleave(case, configs[case.num_tokens], log, deadline)
-
-        decided = decide_per_bucket(name, w13, w2, buckets, "interleave", decide, fp8)
+        decided = _decide_entries(name, device, entries, buckets, "interleave",
+                                  lambda case, cfg: decide_interleave(case, cfg, log, deadline), args.quant)
         for bucket, (kept, med) in decided.items():
             entry = {**entries[str(bucket)], "gemm1": kept.to_json()["gemm1"], "interleave_us": med}
             winners.setdefault(key, {})[str(bucket)] = entry
             verdict = f"interleave, {kept.gemm1.num_stages} stages" if kept.gemm1.interleave else "kept"
             timings = ", ".join(f"{n} {us:.1f}" for n, us in med.items())
             print(f"  {name} T={bucket}: {timings} us -> GEMM1 {verdict}", flush=True)
-        del w13, w2
-        torch.cuda.empty_cache()
 
     method = ("scripts/tune_experts.py --interleave-only: the table's tiles, GEMM1 interleaved at the "
               "entry's stages and one fewer, full batches under CUDA-graph replay, medians of "
@@ -1449,17 +1459,10 @@ def engine_only(args: argparse.Namespace, names: list[str], start: float) -> int
     chosen, deadline, log, winners = _table_only_state(args)
     for name in names:
         key, entries = _shape_entries(table, name)
-        buckets = sorted(int(b) for b in entries
-                         if (int(b) >= ENGINE_MIN_TOKENS if chosen is None else int(b) in chosen))
+        buckets = _table_buckets(entries, chosen, ENGINE_MIN_TOKENS)
         print(f"{name}: GEMM2 engine timed at T = {buckets} ({key} in {path})", flush=True)
-        w13, w2 = make_weights(name, device)
-        configs = {b: ExpertsConfig.from_json(entries[str(b)]) for b in buckets}
-
-        def decide(case: Case, configs: dict[int, ExpertsConfig] = configs
-                   ) -> tuple[ExpertsConfig, dict[str, float]] | None:
-            return decide_engine(case, configs[case.num_tokens], log, deadline)
-
-        decided = decide_per_bucket(name, w13, w2, buckets, "engine", decide, None)
+        decided = _decide_entries(name, device, entries, buckets, "engine",
+                                  lambda case, cfg: decide_engine(case, cfg, log, deadline))
         for bucket, (kept, med) in decided.items():
             if not med:
                 print(f"  {name} T={bucket}: block_m {kept.block_m}, no engine candidate", flush=True)
@@ -1469,8 +1472,6 @@ def engine_only(args: argparse.Namespace, names: list[str], start: float) -> int
             verdict = f"{kept.gemm2.engine}, {kept.gemm2.num_stages} stages"
             timings = ", ".join(f"{n} {us:.1f}" for n, us in med.items())
             print(f"  {name} T={bucket}: {timings} us -> GEMM2 {verdict}", flush=True)
-        del w13, w2
-        torch.cuda.empty_cache()
 
     method = ("scripts/tune_experts.py --engine-only: the table's tiles, GEMM2 as the Gluon engine "
               f"{ENGINE_VARIANTS} at 256 x 64 tiles against the entry, full batches under CUDA-graph "

@@ -357,14 +357,17 @@ def test_gemm2_engine_config_and_interpreter_fallback() -> None:
 
 
 @interpreter_only(INTERPRETER_ONLY)
-def test_gemm2_engine_split_of_the_regimes(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["few-in-gemms", "fused-few-launch"])
+def test_gemm2_engine_split_of_the_regimes(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
     """How experts_triton runs a bucket whose GEMM2 is the Gluon engine, checked on the CPU with
     the engine stood in by a torch implementation of its contract (kernels/experts_ws.py: y[slot]
     = weight * row @ w2[expert].T for the used positions of the main layout's num_blocks[0]
     M-blocks, padding never stored): the engine over layout 0 and a Triton launch over layout 1
     for the small-batch and few-slot regimes give the Triton engine's results for num_valid 0 and
     1-4 (few-slot path), 5-8 (small-batch tiles), 9 and T (main layout), with NaN padding rows and
-    a NaN-poisoned workspace; the engine ran once a call, finding no block outside the main layout."""
+    a NaN-poisoned workspace; the engine ran once a call, finding no block outside the main layout.
+    Also with `fused` few-slot tiles, whose launch then runs before the GEMMs (the bucket's tiles
+    exceed 16 rows), as DeepSeek-V3 T = 8192 runs on the H200."""
     import dataclasses
 
     import safemoe.kernels.experts as experts_module
@@ -384,6 +387,7 @@ def test_gemm2_engine_split_of_the_regimes(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(experts_module, "ws_usable", lambda w2, views: True)
     monkeypatch.setattr(experts_module, "gemm2_ws_into", contract)
+    fused_launches = _spy_fused_launches(monkeypatch)
     gen = torch.Generator().manual_seed(71)
     num_tokens, num_experts, top_k, hidden, inter = 40, 4, 4, 32, 48
     w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
@@ -404,12 +408,14 @@ def test_gemm2_engine_split_of_the_regimes(monkeypatch: pytest.MonkeyPatch) -> N
             views.y.fill_(math.nan)
             results.append(experts_triton(padded, w13, w2, weights, ids, activation="silu",
                                           num_valid=_nv(torch.tensor(count), num_tokens, "cpu"), health=None,
-                                          workspace=ws, config=cfg, small_config=small, few_config=small,
+                                          workspace=ws, config=cfg, small_config=small,
+                                          few_config=dataclasses.replace(small, fused=fused),
                                           out=poisoned(x.shape, torch.float32)))
         assert_close(results[1], results[0], what=f"Gluon engine stand-in, num_valid={count}")
         assert_equal(results[1][count:], torch.zeros_like(results[1][count:]))
         assert blocks_seen[-1] == (0 if count <= 8 else int(views.block_end[-1])), f"num_valid={count}"
     assert len(blocks_seen) == 7
+    assert len(fused_launches) == (14 if fused else 0), "the fused few-slot launch before the GEMMs"
 
 
 def _compile_gemm2_ws_for_sm90(engine: str) -> str:

@@ -172,6 +172,16 @@ def _grouped_gemm2(
         mbarrier.invalidate(bars.index(i))
 
 
+def expected_gemm2(inter_rows: torch.Tensor, w2: torch.Tensor, slots: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """y in fp32 for rows laid out E equal groups in expert order: y[slot] = weight * row @ w2[e].T."""
+    experts, hidden, inter = w2.shape
+    rows = (inter_rows.view(experts, -1, inter).float() @ w2.float().transpose(1, 2)).reshape(-1, hidden)
+    expected_y = torch.empty_like(rows)
+    expected_y[slots.long()] = rows * weights[slots.long(), None]
+    return expected_y
+
+
 def timed(fn, rounds: int = 25) -> float:
     """Median microseconds of a call (the bench's per-call CUDA-event timing)."""
     return statistics.median(event_times_us(fn, iters=rounds, warmup=1))
@@ -232,11 +242,7 @@ def main() -> None:
             )
         except Exception as exc:
             print(f"{name}: torch grouped_mm failed: {type(exc).__name__}: {exc}"[:200], flush=True)
-        expected = (
-            inter_rows.view(experts, rows_per_expert, inter).float() @ w2.float().transpose(1, 2)
-        ).reshape(slots_total, hidden)
-        expected_y = torch.empty_like(expected)
-        expected_y[slots.long()] = expected * weights[slots.long(), None]
+        expected_y = expected_gemm2(inter_rows, w2, slots, weights)
         y = torch.empty(slots_total, hidden, device="cuda", dtype=torch.bfloat16)
         for bm, bn, bk, buffers, warps, group_m, blocked in configs:
             if rows_per_expert % bm:
@@ -282,7 +288,7 @@ def main() -> None:
                     + ("" if err < 1e-2 else f"  WRONG rel err {err:.3g}"),
                     flush=True,
                 )
-        del inter_rows, w2, expected, expected_y, y
+        del inter_rows, w2, expected_y, y
         torch.cuda.empty_cache()
 
 

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 import triton
-from gluon_gemm2_probe import SHAPES
+from gluon_gemm2_probe import SHAPES, expected_gemm2
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -142,11 +142,7 @@ def probe_shape(name: str, tokens: int, peak: float, sms: int, variants: list) -
         )
     except Exception as exc:  # a probe: report and go on
         print(f"  library: {type(exc).__name__}: {exc}"[:300], flush=True)
-    expected = (
-        inter_rows.view(experts, rows_per_expert, inter).float() @ w2.float().transpose(1, 2)
-    ).reshape(slots_total, hidden)
-    expected_y = torch.empty_like(expected)
-    expected_y[slots.long()] = expected * weights[slots.long(), None]
+    expected_y = expected_gemm2(inter_rows, w2, slots, weights)
     y = torch.empty(slots_total, hidden, device="cuda", dtype=torch.bfloat16)
     bm = 128
     num_m_blocks = slots_total // bm

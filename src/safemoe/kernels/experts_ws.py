@@ -29,6 +29,8 @@ of 16-byte multiples, and falls back to the Triton tiles elsewhere (the CPU inte
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -223,12 +225,18 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(empty.index(i))
 
 
+@functools.lru_cache(maxsize=16)
+def _is_sm90(device_index: int) -> bool:
+    """Whether the GPU is sm_90 (asked once per device: ws_usable runs on every forward)."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
 def ws_usable(w2: torch.Tensor, views: WorkspaceViews) -> bool:
     """Whether this call can run the Gluon GEMM2: a Hopper (sm_90) GPU, bf16/fp16, and rows of
     the intermediate and of w2 that TMA can address (16-byte aligned starts and strides)."""
     if not GLUON_AVAILABLE or w2.device.type != "cuda" or w2.dtype not in _GL_DTYPES:
         return False
-    if torch.cuda.get_device_capability(w2.device) != (9, 0):
+    if not _is_sm90(w2.device.index if w2.device.index is not None else torch.cuda.current_device()):
         return False
     inter = views.intermediate
     rows_ok = (inter.shape[1] * inter.element_size()) % 16 == 0 and inter.stride(1) == 1
