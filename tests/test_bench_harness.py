@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import csv
+import dataclasses
 import json
 import math
 import subprocess
@@ -110,6 +111,12 @@ def test_ceilings_round_trip():
     again = harness.DeviceCeilings.from_dict(json.loads(json.dumps(CEILINGS.to_dict())))
     assert again == CEILINGS
     assert "fp8 n/a" in CEILINGS.summary()
+    # the sustained peak (results since 2026-11-27) travels too; older results read as None
+    sustained = dataclasses.replace(CEILINGS, bf16_tflops_sustained=671.0)
+    assert harness.DeviceCeilings.from_dict(json.loads(json.dumps(sustained.to_dict()))) == sustained
+    assert "(671 sustained)" in sustained.summary()
+    old = {k: v for k, v in CEILINGS.to_dict().items() if k != "bf16_tflops_sustained"}
+    assert harness.DeviceCeilings.from_dict(old).bf16_tflops_sustained is None
 
 
 def test_plot(tmp_path):

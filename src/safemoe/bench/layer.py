@@ -141,9 +141,12 @@ def _case_rows(
 
     expected = reference(0) if num_tokens == CHECK_TOKENS else None
     rows = []
+    extra: dict[str, Any] = {"bound": bound, "distinct_experts": distinct}
+    if bound == "flops" and ceilings.bf16_tflops_sustained:
+        # the same FLOPs at the matmul peak measured under the benchmark's own sustained load
+        extra["sustained_floor_us"] = floor * ceilings.bf16_tflops / ceilings.bf16_tflops_sustained
     for impl, step, capturable in impls:
-        row = BenchRow(SUITE, case, num_tokens, "clean", impl, None, floor,
-                       extra={"bound": bound, "distinct_experts": distinct})
+        row = BenchRow(SUITE, case, num_tokens, "clean", impl, None, floor, extra=dict(extra))
         rows.append(row)
         if impl == "safemoe-triton" and triton_missing:
             row.note = triton_missing
@@ -271,8 +274,13 @@ def targets_table(rows: list[BenchRow]) -> list[dict[str, Any]]:
                 f"{pct:.1f}%", pct >= limit)  # fmt: skip
         if tokens == PREFILL_TOKENS:
             limit = PREFILL_PEAK_PCT.get(case, PREFILL_DEFAULT_PCT)
+            measured = f"{pct:.1f}%"
+            sustained_floor = r.extra.get("sustained_floor_us")
+            if sustained_floor and r.median_us:
+                # beside the verdict, not in it: the target's scale is the burst peak
+                measured += f" ({100 * sustained_floor / r.median_us:.1f}% of the sustained peak)"
             add(f"prefill: >= {limit:.0f}% of the bf16 peak at T = {PREFILL_TOKENS}", case, tokens,
-                f"{limit:.0f}%", f"{pct:.1f}%", pct >= limit)  # fmt: skip
+                f"{limit:.0f}%", measured, pct >= limit)  # fmt: skip
             mid = ours.get((case, 2048, "clean"))
             if mid is not None and mid.median_us is not None and r.median_us is not None:
                 per_mid, per_big = mid.median_us / 2048, r.median_us / PREFILL_TOKENS
