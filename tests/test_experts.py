@@ -488,6 +488,11 @@ def test_nearest_bucket_serves_within_one_octave() -> None:
             nearest_bucket(bad, table)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"powers of two >= 1 \(token buckets\), got \[24, 0\]"):
         nearest_bucket(8, (8, 24, 0))
+    # the answers are cached per (T's bucket, buckets): True == 1 and 8.0 == 8 must not hit them
+    assert nearest_bucket(1, (1, 8)) == 1
+    for aliased in ((True, 8), (1, 8.0)):
+        with pytest.raises(ValueError, match="powers of two"):
+            nearest_bucket(1, aliased)  # type: ignore[arg-type]
 
 
 def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:
@@ -1023,6 +1028,43 @@ def test_workspace_validation() -> None:
         Workspace(0, 8, 2, 32, 32, torch.float32, "cpu")
     with pytest.raises(ValueError, match="out must be"):
         _run(torch.randn(4, 32), w13, w2, weights[:4], ids[:4], out=torch.empty(4, 31))
+
+
+def test_workspace_views_cached_per_dims() -> None:
+    """views() hands every call of the same dims one frozen object, equal to a fresh carve (same
+    storage, offsets, shapes), and keeps at most _MAX_CACHED_VIEWS entries."""
+    import dataclasses
+
+    from safemoe import workspace as workspace_module
+
+    ws = Workspace(64, 8, 2, 64, 64, torch.float32, "cpu")
+    first = ws.views(20, 6, 2, 32, 48)
+    assert ws.views(20, 6, 2, 32, 48) is first
+    fresh = ws._carve(20, 6, 2, 32, 48)
+    for field in dataclasses.fields(first):
+        got, want = getattr(first, field.name), getattr(fresh, field.name)
+        assert (got.data_ptr(), got.shape, got.stride()) == (want.data_ptr(), want.shape, want.stride()), (
+            field.name)
+    assert ws.views(64, 8, 2, 64, 64) is not first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.y = fresh.y  # type: ignore[misc]
+    for num_experts in (8, 6, 4):  # 192 distinct dims
+        for num_tokens in range(1, 65):
+            ws.views(num_tokens, num_experts, 2, 64, 64)
+    assert len(ws._views) <= workspace_module._MAX_CACHED_VIEWS
+
+
+def test_host_grid_helpers_match_triton() -> None:
+    """The launchers' plain-int cdiv / next_power_of_2 give triton's values (theirs cost microseconds
+    a host call since Triton 3.5)."""
+    import triton
+
+    from safemoe.kernels.launch import cdiv, next_power_of_2
+
+    for n in range(0, 4200):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 128, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,9 +93,13 @@ def workspace_bytes(max_tokens: int, num_experts: int, top_k: int, hidden: int, 
     return _segments(max_tokens, num_experts, top_k, hidden, inter, dtype, fp8)[1]
 
 
-@dataclass
+_MAX_CACHED_VIEWS = 64
+
+
+@dataclass(frozen=True)
 class WorkspaceViews:
-    """The buffers one call uses, as views sized for that call (no allocation)."""
+    """The buffers one call uses, as views sized for that call (no allocation). Frozen: a
+    workspace hands the same object to every call of the same dims (`Workspace.views`)."""
 
     counts: torch.Tensor  # [num_bins] int32, zero between calls
     ticket: torch.Tensor  # [1] int32, zero between calls
@@ -178,6 +182,10 @@ class Workspace:
         self._index, self._data = typed[0], typed[1]
         self._fp8: torch.Tensor | None = typed[2] if self.fp8 else None
         self._fp8_scales: torch.Tensor | None = typed[3] if self.fp8 else None
+        # views() by call dims: nine tensor slices a call were ~10% of an eager decode step's host
+        # time (cProfile, H100 host, 2026-11-27); one entry per distinct (T, E, K, H, I), at most
+        # _MAX_CACHED_VIEWS (an eager server sees every T; a graph engine its few buckets)
+        self._views: dict[tuple[int, int, int, int, int], WorkspaceViews] = {}
 
     # -- the op boundary: one tensor and the dims that lay it out --------------------------------
     def op_args(self) -> tuple[torch.Tensor, list[int]]:
@@ -234,6 +242,16 @@ class Workspace:
 
     def views(self, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> WorkspaceViews:
         """Views for one call (dims already checked with `check`)."""
+        key = (num_tokens, num_experts, top_k, hidden, inter)
+        cached = self._views.get(key)
+        if cached is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            cached = self._views[key] = self._carve(num_tokens, num_experts, top_k, hidden, inter)
+        return cached
+
+    def _carve(self, num_tokens: int, num_experts: int, top_k: int, hidden: int,
+               inter: int) -> WorkspaceViews:
         bins = num_bins(self.num_experts)  # the histogram of a smaller E still fits in these bins
         e = num_experts
         idx = self._index

@@ -32,7 +32,14 @@ import triton.language as tl
 
 from safemoe._checks import NumValid
 from safemoe._triton import interpreter_enabled
-from safemoe.kernels.launch import launch_options, load_num_valid, persistent_grid, wait_for_previous_kernel
+from safemoe.kernels.launch import (
+    cdiv,
+    launch_options,
+    load_num_valid,
+    next_power_of_2,
+    persistent_grid,
+    wait_for_previous_kernel,
+)
 from safemoe.numerics import FLT_MAX, FP8_AMAX_FLOOR, FP8_MAX
 
 _FLT_MAX: tl.constexpr = tl.constexpr(FLT_MAX)
@@ -172,7 +179,7 @@ def _tiles(group_len: int) -> tuple[int, int, bool, int]:
     groups: 16 rows x 128; a per-token row: max(1, 2048 // H) rows), ~8 values a thread (16 at
     H > 4096): the IEEE divisions take registers (sm_90 ptxas: 64 registers at 8 values a thread,
     236 at 32)."""
-    block_c = max(16, triton.next_power_of_2(group_len))
+    block_c = max(16, next_power_of_2(group_len))
     if block_c > _MAX_ONE_CHUNK:
         return 4, min(1024, _MAX_ONE_CHUNK), False, 4
     block_r = max(1, min(32, 2048 // block_c))
@@ -191,7 +198,7 @@ def quantize_rows_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
     block_r, block_c, one_chunk, num_warps = _tiles(group_len)
     has_nv_ptr = num_valid.tensor is not None
     # grid: persistent programs over (BLOCK_R rows, one group) items, up to the rows below num_valid
-    _quantize_kernel[_grid(triton.cdiv(num_rows, block_r) * scale.shape[1], src.device)](
+    _quantize_kernel[_grid(cdiv(num_rows, block_r) * scale.shape[1], src.device)](
         src, src, num_valid.tensor if has_nv_ptr else src,
         q, scale,
         num_valid.count if num_valid.count is not None else num_rows, num_rows, row_len, group_len,
@@ -212,7 +219,7 @@ def quantize_positions_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     group_len = min(group_len, row_len)
     block_r, block_c, one_chunk, num_warps = _tiles(group_len)
     # grid: persistent programs over (BLOCK_R positions, one group) items, up to the used M-blocks
-    _quantize_kernel[_grid(triton.cdiv(max_positions, block_r) * scale.shape[1], src.device)](
+    _quantize_kernel[_grid(cdiv(max_positions, block_r) * scale.shape[1], src.device)](
         src, sorted_slots, num_blocks,
         q, scale,
         0, src.shape[0], row_len, group_len, scale.shape[1], block_m0, block_m1,

@@ -15,7 +15,13 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.kernels.launch import launch_options, load_num_valid, wait_for_previous_kernel
+from safemoe.kernels.launch import (
+    cdiv,
+    launch_options,
+    load_num_valid,
+    next_power_of_2,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -64,9 +70,9 @@ def combine_tiles(num_tokens: int, hidden: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, num_warps): up to 8 x 512 elements a program, but at least ~256 programs
     where the shape allows (32 programs took 7 us at T=64, H=2048 on an H200: too little in
     flight), and 8 bf16 (16 bytes) per thread and load."""
-    block_h = min(triton.next_power_of_2(hidden), 512)
+    block_h = min(next_power_of_2(hidden), 512)
     block_t = max(1, 4096 // block_h)
-    while block_t > 1 and triton.cdiv(num_tokens, block_t) * triton.cdiv(hidden, block_h) < 256:
+    while block_t > 1 and cdiv(num_tokens, block_t) * cdiv(hidden, block_h) < 256:
         block_t //= 2
     num_warps = max(1, min(4, block_t * block_h // 256))
     return block_t, block_h, num_warps
@@ -86,7 +92,7 @@ def combine_into(
     block_t, block_h, num_warps = combine_tiles(num_tokens, hidden)
     has_nv_ptr = num_valid.tensor is not None
     # grid: one program per BLOCK_T rows x BLOCK_H columns of out
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     _combine_kernel[grid](
         y, ids, num_valid.tensor if has_nv_ptr else ids, out,
         num_valid.count if num_valid.count is not None else num_tokens, num_tokens, num_experts, hidden,

@@ -33,7 +33,13 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.kernels.launch import launch_options, load_num_valid, wait_for_previous_kernel
+from safemoe.kernels.launch import (
+    cdiv,
+    launch_options,
+    load_num_valid,
+    next_power_of_2,
+    wait_for_previous_kernel,
+)
 from safemoe.workspace import WorkspaceViews, capacity, num_bins
 
 # Slots per program of count/scatter. Whenever num_valid * K <= CHUNK (read on the device) one
@@ -211,9 +217,9 @@ def dispatch_into(
         raise ValueError("dispatch_into needs T >= 1 (the caller returns early for T = 0)")
     if slots >= 2**31 or capacity(num_tokens, num_experts, top_k) >= 2**31:
         raise ValueError(f"T*K = {slots} slots are past int32 indexing; split the batch")
-    grid = triton.cdiv(slots, CHUNK)
+    grid = cdiv(slots, CHUNK)
     # A single program takes just the (power-of-two) slots there are: less to histogram at decode.
-    chunk = max(16, triton.next_power_of_2(slots)) if grid == 1 else CHUNK
+    chunk = max(16, next_power_of_2(slots)) if grid == 1 else CHUNK
     has_nv_ptr = num_valid.tensor is not None
     nv_ptr = num_valid.tensor if has_nv_ptr else ids
     nv_count = num_valid.count if num_valid.count is not None else num_tokens

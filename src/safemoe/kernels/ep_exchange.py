@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.kernels.launch import load_num_valid
+from safemoe.kernels.launch import cdiv, load_num_valid, next_power_of_2
 
 BLOCK_T = 32  # rows per program of count/pack/combine: a [32, K, W] plan tile stays in registers
 BLOCK_S = 32  # received rows per program of unpack
@@ -294,7 +294,7 @@ def _round_once(acc, out_type: tl.constexpr):
 
 
 def _block_h(hidden: int) -> int:
-    return min(_MAX_BLOCK_H, triton.next_power_of_2(max(hidden, 16)))
+    return min(_MAX_BLOCK_H, next_power_of_2(max(hidden, 16)))
 
 
 def _nv_args(num_valid: NumValid, num_tokens: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -306,11 +306,11 @@ def _nv_args(num_valid: NumValid, num_tokens: int, dummy: torch.Tensor) -> tuple
 
 def row_blocks(num_tokens: int) -> int:
     """NB: the count/pack row blocks of T rows (at least 1)."""
-    return max(1, triton.cdiv(num_tokens, BLOCK_T))
+    return max(1, cdiv(num_tokens, BLOCK_T))
 
 
 def peer_pad(world: int) -> int:
-    return triton.next_power_of_2(max(world, 2))
+    return next_power_of_2(max(world, 2))
 
 
 def count_into(
@@ -333,7 +333,7 @@ def count_into(
         ids, nv_ptr,
         block_counts, health if health is not None else ids,
         nv_count, num_tokens, num_experts, num_experts // world,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), W_PAD=w_pad, BLOCK_T=BLOCK_T,
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), W_PAD=w_pad, BLOCK_T=BLOCK_T,
         HAS_NUM_VALID_PTR=has_nv, HAS_HEALTH=health is not None,
     )  # fmt: skip
 
@@ -367,16 +367,16 @@ def pack_into(
         raise ValueError(f"a capacity wire holds W*C = {world * capacity} rows, got {wire_rows}")
     nb, w_pad = row_blocks(num_tokens), peer_pad(world)
     block_h = _block_h(hidden)
-    fill = 0 if capacity is None else triton.cdiv(wire_rows, FILL_ROWS)
+    fill = 0 if capacity is None else cdiv(wire_rows, FILL_ROWS)
     nv_ptr, nv_count, has_nv = _nv_args(num_valid, num_tokens, ids)
     # grid: (row blocks of T, then blank-row programs of the capacity wire) x column tiles of H
-    _pack_kernel[(nb + fill, triton.cdiv(hidden, block_h))](
+    _pack_kernel[(nb + fill, cdiv(hidden, block_h))](
         x, ids, weights.view(torch.int32), nv_ptr, block_counts,
         wire.view(x.dtype), wire.view(torch.int32), row_of, health if health is not None else ids,
         nv_count, num_tokens, hidden, num_experts, num_experts // world, capacity or 1, wire_rows,
         row_bytes // itemsize, row_bytes // 4, meta_offset // 4, nb,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WORLD=world, W_PAD=w_pad,
-        NB_PAD=triton.next_power_of_2(nb), BLOCK_T=BLOCK_T, BLOCK_H=block_h, FILL_ROWS=FILL_ROWS,
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), WORLD=world, W_PAD=w_pad,
+        NB_PAD=next_power_of_2(nb), BLOCK_T=BLOCK_T, BLOCK_H=block_h, FILL_ROWS=FILL_ROWS,
         DYNAMIC=capacity is None, HAS_NUM_VALID_PTR=has_nv, HAS_HEALTH=health is not None,
         num_warps=_COPY_WARPS,
     )  # fmt: skip
@@ -399,12 +399,12 @@ def unpack_into(
         return
     block_h = _block_h(hidden)
     # grid: row blocks of the received wire x column tiles of H
-    _unpack_kernel[(triton.cdiv(wire_rows, BLOCK_S), triton.cdiv(hidden, block_h))](
+    _unpack_kernel[(cdiv(wire_rows, BLOCK_S), cdiv(hidden, block_h))](
         wire.view(x.dtype), wire.view(torch.int32),
         x, local_ids, weights, health if health is not None else local_ids,
         wire_rows, hidden, row_bytes // x.element_size(), row_bytes // 4, meta_offset // 4,
         first_expert, experts_per_rank,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_S=BLOCK_S, BLOCK_H=block_h,
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), BLOCK_S=BLOCK_S, BLOCK_H=block_h,
         HAS_HEALTH=health is not None, num_warps=_COPY_WARPS,
     )  # fmt: skip
 
@@ -417,7 +417,7 @@ def combine_into(partials: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor
     world = row_of.shape[1]
     block_h = _block_h(hidden)
     # grid: row blocks of T x column tiles of H
-    _combine_kernel[(triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(hidden, block_h))](
+    _combine_kernel[(cdiv(num_tokens, BLOCK_T), cdiv(hidden, block_h))](
         partials, row_of, out, num_tokens, hidden, WORLD=world, BLOCK_T=BLOCK_T, BLOCK_H=block_h,
         num_warps=_COPY_WARPS,
     )  # fmt: skip

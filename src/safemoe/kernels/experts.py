@@ -55,6 +55,7 @@ from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.experts_ws import gemm2_ws_into, ws_usable
 from safemoe.kernels.launch import (
+    cdiv,
     launch_options,
     load_num_valid,
     pdl_supported,
@@ -1022,7 +1023,7 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
     without the few-slot path. A launch that only takes the few-slot path runs its tiles' warps
     and stages; any other, the main config's."""
     num_experts = weight.shape[0]
-    n_blocks = triton.cdiv(out_cols, tiles.block_n)
+    n_blocks = cdiv(out_cols, tiles.block_n)
     main_count = max_m_blocks(num_tokens, num_experts, top_k, cfg.block_m) * n_blocks
     grid = persistent_grid(main_count, weight.device, cfg.programs_per_sm)
     meta: dict[str, object] = {
@@ -1035,7 +1036,7 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
         meta.update({"FEW": 0, "ONLY_FEW": False, "FEW_BLOCK_N": tiles.block_n, "FEW_BLOCK_K": tiles.block_k,
                      "FEW_EVEN_K": meta["EVEN_K"], "FEW_USE_TMA": False})
     else:
-        few_count = min(FEW_SLOTS, num_tokens * top_k) * triton.cdiv(out_cols, few_tiles.block_n)
+        few_count = min(FEW_SLOTS, num_tokens * top_k) * cdiv(out_cols, few_tiles.block_n)
         few_grid = persistent_grid(few_count, weight.device, few.config.programs_per_sm)
         grid = few_grid if few.only else max(grid, few_grid)
         meta.update({"FEW": FEW_SLOTS, "ONLY_FEW": few.only, "FEW_BLOCK_N": few_tiles.block_n,
@@ -1050,7 +1051,7 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
         meta["SMALL_USE_TMA"] = False
         return weight, few_arg, grid, meta, launch_tiles
     small_tokens = min(num_tokens, SMALL_BATCH_TOKENS)
-    small_n_blocks = triton.cdiv(out_cols, small_tiles.block_n)
+    small_n_blocks = cdiv(out_cols, small_tiles.block_n)
     small_count = max_m_blocks(small_tokens, num_experts, top_k, small.block_m) * small_n_blocks
     grid = max(grid, persistent_grid(small_count, weight.device, small.programs_per_sm))
     meta.update({
@@ -1094,7 +1095,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         a_scale, w_scale, strides = x, x, dict(_NO_SCALES)
     else:
         split = fp8.weights.gate_up_split
-        up_rows = (0, triton.cdiv(inter, FP8_BLOCK)) if split else (inter, 0)
+        up_rows = (0, cdiv(inter, FP8_BLOCK)) if split else (inter, 0)
         a_scale, w_scale = fp8.views.x_scale, fp8.weights.w13_scale
         strides = _weight_scale_strides(w_scale, fp8.weights.mode, up_rows)
         quant = fp8.code((tiles, small.gemm1 if small is not None else None),
@@ -1183,7 +1184,7 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         raise ValueError(f"workspace few_sync holds {views.few_sync.numel()} counters, the fused few-slot "
                          f"launch needs {2 + FEW_SLOTS}")
     slots = min(FEW_SLOTS, num_tokens * top_k)
-    tiles = slots * (triton.cdiv(inter, tiles1.block_n) + triton.cdiv(hidden, tiles2.block_n))
+    tiles = slots * (cdiv(inter, tiles1.block_n) + cdiv(hidden, tiles2.block_n))
     grid = persistent_grid(tiles, x.device, few.config.programs_per_sm)
     args = few.kernel_args()
     _few_gemms_kernel[(grid,)](

@@ -32,10 +32,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from safemoe.configs import ExpertsConfig
-from safemoe.kernels.launch import persistent_grid
+from safemoe.kernels.launch import cdiv, persistent_grid
 from safemoe.workspace import WorkspaceViews, max_m_blocks, num_bins
 
 try:  # Gluon ships with Triton >= 3.4; its Hopper TMA load was renamed in 3.7
@@ -258,7 +257,7 @@ def gemm2_ws_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews
     a_desc = TensorDescriptor.from_tensor(views.intermediate, [BLOCK_M, tiles.block_k], a_layout)
     w2_rows = w2.view(num_experts * hidden, inter)
     b_desc = TensorDescriptor.from_tensor(w2_rows, [tiles.block_n, tiles.block_k], b_layout)
-    tile_count = max_m_blocks(num_tokens, num_experts, top_k, BLOCK_M) * triton.cdiv(hidden, tiles.block_n)
+    tile_count = max_m_blocks(num_tokens, num_experts, top_k, BLOCK_M) * cdiv(hidden, tiles.block_n)
     grid = persistent_grid(tile_count, w2.device, 1)  # one program an SM: the ring fills its shared memory
     _gemm2_ws_kernel[(grid,)](
         a_desc, b_desc, weights, views.sorted_slots, views.block_end, views.num_blocks, views.y,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from safemoe._triton import interpreter_enabled
-from safemoe.kernels.launch import rowwise_product
+from safemoe.kernels.launch import cdiv, rowwise_product
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def linear_rows_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return out
     tiles = linear_tiles(x.device)
     # grid: one program per (BLOCK_M rows, BLOCK_N columns) tile of out
-    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(num_cols, tiles.block_n))
+    grid = (cdiv(num_rows, tiles.block_m), cdiv(num_cols, tiles.block_n))
     _linear_rows_kernel[grid](
         x, weight, bias if bias is not None else x,
         out,

@@ -50,7 +50,13 @@ import triton.language as tl
 
 from safemoe._checks import NumValid
 from safemoe.health import HEALTH_SLOTS, NONFINITE_ROWS, PADDED_ROWS
-from safemoe.kernels.launch import launch_options, pdl_supported, wait_for_previous_kernel
+from safemoe.kernels.launch import (
+    cdiv,
+    launch_options,
+    next_power_of_2,
+    pdl_supported,
+    wait_for_previous_kernel,
+)
 from safemoe.numerics import FLT_MAX as _FLT_MAX
 from safemoe.route_config import RouteConfig
 
@@ -342,8 +348,8 @@ def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
     """Config for a shape: the tuned table where it has the shape, else a heuristic. A row spans at
     most one warp, so its reductions stay inside the warp (no shared memory, no barriers); at 16
     bytes per thread a row takes E_PAD * elem_size / 16 lanes."""
-    e_pad = triton.next_power_of_2(num_experts)
-    cap = triton.next_power_of_2(max(num_tokens, 1))
+    e_pad = next_power_of_2(num_experts)
+    cap = next_power_of_2(max(num_tokens, 1))
     tuned = _TUNED.get((e_pad, top_k, grouped)) if elem_size == 2 else None
     if tuned is not None:
         block_t, num_warps = next(((b, w) for t, b, w in tuned if num_tokens <= t), tuned[-1][1:])
@@ -368,8 +374,8 @@ def candidate_configs(num_tokens: int, num_experts: int, top_k: int, elem_size: 
                       grouped: bool = False) -> list[RouterConfig]:
     """The configs the bench's tuning sweep times for one shape (the shipped pick first): 1 to 8
     warps, 1 row per warp up to 64 elements per thread, at least min(4, E_PAD) per thread."""
-    e_pad = triton.next_power_of_2(num_experts)
-    cap = triton.next_power_of_2(max(num_tokens, 1))
+    e_pad = next_power_of_2(num_experts)
+    cap = next_power_of_2(max(num_tokens, 1))
     configs = [_pick_config(num_tokens, num_experts, top_k, elem_size, grouped)]
     for num_warps in (1, 2, 4, 8):
         for rows_per_warp in (1, 2, 4, 8, 16, 32, 64):
@@ -446,10 +452,10 @@ def launch_router(
     topk_group = args.topk_group if grouped else 1
     assert n_group is not None and topk_group is not None
     group_size = num_experts // n_group
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_power_of_2(num_experts)
     nv_tensor = num_valid.tensor
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
-    grid = (triton.cdiv(num_tokens, config.block_t),)  # one program per BLOCK_T rows
+    grid = (cdiv(num_tokens, config.block_t),)  # one program per BLOCK_T rows
     use_pdl = router_pdl(logits.device)
     _router_kernel[grid](
         # inputs
@@ -458,9 +464,9 @@ def launch_router(
         weights_out, ids_out, health if health is not None else weights_out,
         # shapes and scalars
         num_tokens, nv_count, float(args.routed_scaling_factor),
-        NUM_EXPERTS=num_experts, E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, TOP_K=top_k, K_PAD=next_power_of_2(top_k),
         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
-        NG_PAD=triton.next_power_of_2(n_group),
+        NG_PAD=next_power_of_2(n_group),
         GROUP_RESHAPE=e_pad == num_experts and group_size & (group_size - 1) == 0,
         GROUP_TOP2=args.group_score == "top2_sum",
         # modes
