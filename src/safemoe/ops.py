@@ -234,8 +234,7 @@ def route(
     weights = torch.empty(num_tokens, config.top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, config.top_k, dtype=torch.int32, device=logits.device)
     if _eager(logits):
-        nv = _num_valid(*_nv_args(num_valid, num_tokens))
-        _route_body(logits, config, bias, nv, backend, batch_invariant, weights, ids, health)
+        _route_body(logits, config, bias, num_valid, backend, batch_invariant, weights, ids, health)
         return weights, ids
     args = (logits, bias, *config.op_args(), *_nv_args(num_valid, num_tokens), backend, batch_invariant,
             weights, ids)
@@ -277,8 +276,7 @@ def experts(
                               x.dtype, x.device, fp8=fp8 is not None)
     out = torch.empty_like(x)
     if _eager(x):
-        nv = _num_valid(*_nv_args(num_valid, num_tokens))
-        _experts_body(x, w13, w2, fp8, weights, ids, activation, nv, backend, batch_invariant,
+        _experts_body(x, w13, w2, fp8, weights, ids, activation, num_valid, backend, batch_invariant,
                       ids_complete, workspace if backend == "triton" else None, out, health)
         return out
     if workspace is not None and backend == "triton":

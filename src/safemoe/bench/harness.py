@@ -178,16 +178,22 @@ def _measure_copy_gbps(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
-def _measure_bf16_tflops(device: torch.device, n: int) -> float:
-    """torch.mm of two n x n bf16 matrices of random normal data: FLOPs = 2 n^3."""
+def _bf16_mm(device: torch.device, n: int) -> Callable[[], object]:
+    """torch.mm of two n x n bf16 matrices of random normal data into a preallocated output."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    us = statistics.median(event_times_us(lambda: torch.mm(a, b, out=out), iters=20, warmup=5))
+    return lambda: torch.mm(a, b, out=out)
+
+
+def _measure_bf16_tflops(device: torch.device, n: int, mm: Callable[[], object] | None = None) -> float:
+    """`_bf16_mm` (or `mm`, the same product), median of 20 timed calls: FLOPs = 2 n^3."""
+    us = statistics.median(event_times_us(mm or _bf16_mm(device, n), iters=20, warmup=5))
     return 2 * n**3 / (us * 1e-6) / 1e12
 
 
-def _measure_bf16_tflops_sustained(device: torch.device, n: int) -> float:
+def _measure_bf16_tflops_sustained(device: torch.device, n: int,
+                                   mm: Callable[[], object] | None = None) -> float:
     """The bf16 peak as every benchmark point is timed (`time_graph`: 20 calls a graph, 30 replays
     back to back, about a second of full load): FLOPs = 2 n^3 a call.
 
@@ -195,10 +201,8 @@ def _measure_bf16_tflops_sustained(device: torch.device, n: int) -> float:
     sustained_peak_*) the SM clock fell from 1980 MHz to 1305-1485 MHz at the 700 W power limit
     under that load, and torch.mm gave 671 TFLOP/s against 785 from `_measure_bf16_tflops`'s
     20-call burst; a prefill layer point, timed the same way, runs at the lower clocks."""
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    us = time_graph(lambda _: torch.mm(a, b, out=out), calls_per_graph=20, replays=30)
+    run = mm or _bf16_mm(device, n)
+    us = time_graph(lambda _: run(), calls_per_graph=20, replays=30)
     return 2 * n**3 / (us * 1e-6) / 1e12
 
 
@@ -238,9 +242,11 @@ def measure_ceilings(device: torch.device | str | None = None, *, refresh: bool 
     with torch.cuda.device(device):
         read_gbps, read_candidates = _measure_read_gbps(device, _STREAM_BYTES)
         copy_gbps = _measure_copy_gbps(device, _STREAM_BYTES)
-        bf16_tflops = _measure_bf16_tflops(device, _MATMUL_N)
+        mm = _bf16_mm(device, _MATMUL_N)  # one set of operands for both bf16 peaks
+        bf16_tflops = _measure_bf16_tflops(device, _MATMUL_N, mm)
         fp8_tflops, fp8_note = _measure_fp8_tflops(device, _MATMUL_N)
-        bf16_sustained = _measure_bf16_tflops_sustained(device, _MATMUL_N)
+        bf16_sustained = _measure_bf16_tflops_sustained(device, _MATMUL_N, mm)
+        del mm
         torch.cuda.empty_cache()
     ceilings = DeviceCeilings(
         name=torch.cuda.get_device_name(device),
