@@ -1,12 +1,13 @@
 """Debug (issue 13): where a decode layer's time goes between its kernels, under CUDA-graph replay.
 
-    PYTHONPATH=src python3 scripts/debug/decode_timeline.py [qwen3:64 mixtral:256 ...]
+    PYTHONPATH=src python3 scripts/debug/decode_timeline.py [qwen3:64 mixtral:256 qwen3:1024:1 ...]
 
 gluon_decode_probe.py (H200, 2026-11-27) timed the library's decode GEMMs on their own (PDL off)
 at 4.26-4.55 TB/s, 93-99% of the read floor's bandwidth, while the whole layer sits at 81-90% of
 the floor on the Qwen3 shape. This script captures the layer as the bench does (`safemoe.moe`,
 route + experts, a workspace, 20 calls in one graph), replays it under torch.profiler and prints,
-per kernel of a call (medians over the calls of 5 replays): its start offset from the call's router
+per kernel of a call (SHAPE:T[:NUM_VALID], num_valid as a device tensor; medians over the calls
+of 5 replays): its start offset from the call's router
 start, its duration, and the gap to the previous kernel's end; and the period of a call (router
 start to the next call's router start), beside the graph-replay time `time_graph` gives. With PDL a
 kernel starts before its predecessor ends and waits in griddepcontrol.wait, so a "duration" holds
@@ -42,7 +43,7 @@ def short(name: str) -> str:
     return name[:30]
 
 
-def case(name: str, tokens: int) -> None:
+def case(name: str, tokens: int, num_valid: int | None = None) -> None:
     e, k, h, i = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, h, dtype=torch.bfloat16, device="cuda", generator=g)
@@ -50,9 +51,10 @@ def case(name: str, tokens: int) -> None:
     w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device="cuda", generator=g) * h**-0.5
     w2 = torch.randn(e, h, i, dtype=torch.bfloat16, device="cuda", generator=g) * i**-0.5
     ws = safemoe.Workspace(tokens, e, k, h, i, torch.bfloat16, "cuda")
+    nv = None if num_valid is None else torch.tensor(num_valid, dtype=torch.int32, device="cuda")
 
     def step(_: int) -> torch.Tensor:
-        return safemoe.moe(x, logits, w13, w2, k, workspace=ws, backend="triton")
+        return safemoe.moe(x, logits, w13, w2, k, num_valid=nv, workspace=ws, backend="triton")
 
     per_call = time_graph(step, calls_per_graph=CALLS, replays=30)
     graph = torch.cuda.CUDAGraph()
@@ -99,7 +101,7 @@ def case(name: str, tokens: int) -> None:
             previous_end = end
     period = statistics.median(periods) if periods else float("nan")
     print(
-        f"== {name} T={tokens}: time_graph {per_call:.1f} us/call; call period in the trace {period:.1f} us; "
+        f"== {name} T={tokens} num_valid={num_valid}: time_graph {per_call:.1f} us/call; call period in the trace {period:.1f} us; "
         f"{len(calls)} calls traced",
         flush=True,
     )
@@ -126,8 +128,8 @@ def main() -> None:
     ]
     print(torch.cuda.get_device_name())
     for spec in specs:
-        name, tokens = spec.split(":")
-        case(name, int(tokens))
+        name, tokens, *valid = spec.split(":")
+        case(name, int(tokens), int(valid[0]) if valid else None)
 
 
 if __name__ == "__main__":
