@@ -101,8 +101,8 @@ def case(name: str, tokens: int, num_valid: int | None = None) -> None:
             previous_end = end
     period = statistics.median(periods) if periods else float("nan")
     print(
-        f"== {name} T={tokens} num_valid={num_valid}: time_graph {per_call:.1f} us/call; call period in the trace {period:.1f} us; "
-        f"{len(calls)} calls traced",
+        f"== {name} T={tokens} num_valid={num_valid}: time_graph {per_call:.1f} us/call; "
+        f"call period in the trace {period:.1f} us; {len(calls)} calls traced",
         flush=True,
     )
     for label in starts:
