@@ -193,67 +193,13 @@ def _gemm1_mma(
     count = 0
     for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
         m_block, n_block = _coords(tile, num_m_blocks, num_n_blocks, 1)
-        if HALF_N:
-            if _used_rows(slots_ptr, m_block, BM, num_warps) <= BM // 2:
-                count = _gemm1_tile(
-                    x_bufs,
-                    gate_bufs,
-                    up_bufs,
-                    ready,
-                    empty,
-                    slots_ptr,
-                    inter_ptr,
-                    m_block,
-                    n_block,
-                    count,
-                    k_steps,
-                    inter,
-                    BM,
-                    BM // 2,
-                    BN,
-                    STAGES,
-                    num_warps,
-                )
-            else:
-                count = _gemm1_tile(
-                    x_bufs,
-                    gate_bufs,
-                    up_bufs,
-                    ready,
-                    empty,
-                    slots_ptr,
-                    inter_ptr,
-                    m_block,
-                    n_block,
-                    count,
-                    k_steps,
-                    inter,
-                    BM,
-                    BM,
-                    BN,
-                    STAGES,
-                    num_warps,
-                )
+        # HALF_N: a block whose used rows fit in its first half runs a half-width MMA
+        if HALF_N and _used_rows(slots_ptr, m_block, BM, num_warps) <= BM // 2:
+            count = _gemm1_tile(x_bufs, gate_bufs, up_bufs, ready, empty, slots_ptr, inter_ptr, m_block,
+                                n_block, count, k_steps, inter, BM, BM // 2, BN, STAGES, num_warps)
         else:
-            count = _gemm1_tile(
-                x_bufs,
-                gate_bufs,
-                up_bufs,
-                ready,
-                empty,
-                slots_ptr,
-                inter_ptr,
-                m_block,
-                n_block,
-                count,
-                k_steps,
-                inter,
-                BM,
-                BM,
-                BN,
-                STAGES,
-                num_warps,
-            )
+            count = _gemm1_tile(x_bufs, gate_bufs, up_bufs, ready, empty, slots_ptr, inter_ptr, m_block,
+                                n_block, count, k_steps, inter, BM, BM, BN, STAGES, num_warps)
 
 
 @gluon.jit
@@ -456,67 +402,13 @@ def _gemm2_mma(
     count = 0
     for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
         m_block, n_block = _coords(tile, num_m_blocks, num_n_blocks, 1)
-        if HALF_N:
-            if _used_rows(slots_ptr, m_block, BM, num_warps) <= BM // 2:
-                count = _gemm2_tile(
-                    a_bufs,
-                    w_bufs,
-                    ready,
-                    empty,
-                    slots_ptr,
-                    weights_ptr,
-                    y_ptr,
-                    m_block,
-                    n_block,
-                    count,
-                    k_steps,
-                    hidden,
-                    BM,
-                    BM // 2,
-                    BN,
-                    STAGES,
-                    num_warps,
-                )
-            else:
-                count = _gemm2_tile(
-                    a_bufs,
-                    w_bufs,
-                    ready,
-                    empty,
-                    slots_ptr,
-                    weights_ptr,
-                    y_ptr,
-                    m_block,
-                    n_block,
-                    count,
-                    k_steps,
-                    hidden,
-                    BM,
-                    BM,
-                    BN,
-                    STAGES,
-                    num_warps,
-                )
+        # HALF_N: a block whose used rows fit in its first half runs a half-width MMA
+        if HALF_N and _used_rows(slots_ptr, m_block, BM, num_warps) <= BM // 2:
+            count = _gemm2_tile(a_bufs, w_bufs, ready, empty, slots_ptr, weights_ptr, y_ptr, m_block, n_block,
+                                count, k_steps, hidden, BM, BM // 2, BN, STAGES, num_warps)
         else:
-            count = _gemm2_tile(
-                a_bufs,
-                w_bufs,
-                ready,
-                empty,
-                slots_ptr,
-                weights_ptr,
-                y_ptr,
-                m_block,
-                n_block,
-                count,
-                k_steps,
-                hidden,
-                BM,
-                BM,
-                BN,
-                STAGES,
-                num_warps,
-            )
+            count = _gemm2_tile(a_bufs, w_bufs, ready, empty, slots_ptr, weights_ptr, y_ptr, m_block, n_block,
+                                count, k_steps, hidden, BM, BM, BN, STAGES, num_warps)
 
 
 @gluon.jit
