@@ -15,7 +15,7 @@ import torch
 from helpers import STALE_ID, by_device, garbage_ids
 from safemoe._checks import NumValid
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
-from safemoe.kernels.dispatch import CHUNK, dispatch_triton
+from safemoe.kernels.dispatch import ALONE_SLOTS, CHUNK, dispatch_triton
 from safemoe.reference import dispatch_reference
 from safemoe.workspace import Workspace, capacity, max_m_blocks
 
@@ -89,7 +89,7 @@ def test_multi_chunk_with_separate_scatter(device: str, num_tokens: int, num_exp
     there, each called again on the same workspace) and scatter runs as its own kernel."""
     gen = torch.Generator().manual_seed(1)
     ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
-    assert num_tokens * top_k > CHUNK
+    assert num_valid * top_k > ALONE_SLOTS
     ws = Workspace(num_tokens, num_experts, top_k, 16, 16, torch.float32, device)
     for _ in range(calls):
         health = new_health_tensor(device)
@@ -154,13 +154,32 @@ def test_poisoned_workspace_and_reuse(device: str) -> None:
 
 @pytest.mark.parametrize("num_valid", [1, 256, 257])
 def test_one_valid_chunk_in_a_multi_chunk_grid(device: str, num_valid: int) -> None:
-    """T*K past one chunk but num_valid*K <= CHUNK (device tensor): program 0 alone builds the
-    layout and the scatter launch returns at once; 256 * 4 is exactly one chunk, 257 * 4 is not."""
+    """T*K past ALONE_SLOTS (several programs) but num_valid*K <= CHUNK (device tensor): program 0
+    alone builds the layout and the scatter launch returns at once; 256 * 4 is exactly one chunk,
+    257 * 4 is not."""
     gen = torch.Generator().manual_seed(num_valid)
-    num_tokens, top_k, num_experts = 700, 4, 16
+    num_tokens, top_k, num_experts = 1100, 4, 16
     ids = _routing_ids(num_tokens, top_k, num_experts, gen, device)
     ids[num_valid:] = STALE_ID
-    assert num_tokens * top_k > CHUNK and 256 * top_k == CHUNK
+    assert num_tokens * top_k > ALONE_SLOTS and 256 * top_k == CHUNK
     health = new_health_tensor(device)
     ws = Workspace(num_tokens, num_experts, top_k, 16, 16, torch.float32, device)
     _check_layout(ids, num_experts, _nv(None, num_valid, device), 32, ws=ws, health=health)
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "num_valid"),
+                         [(1000, 4, 16, None), (1000, 4, 16, 257), (512, 8, 128, None), (512, 8, 128, 130)])
+def test_wide_chunk_one_program(device: str, num_tokens: int, top_k: int, num_experts: int,
+                                    num_valid: int | None) -> None:
+    """CHUNK < T*K <= ALONE_SLOTS: one program takes every slot as one wide chunk, no counters and
+    no scatter launch (garbage ids dropped and counted, stale padding never read)."""
+    gen = torch.Generator().manual_seed(num_tokens + top_k)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
+    assert CHUNK < num_tokens * top_k <= ALONE_SLOTS
+    nv = _nv(num_tokens) if num_valid is None else _nv(None, num_valid, device)
+    if num_valid is not None:
+        ids[num_valid:] = STALE_ID
+    ws = Workspace(num_tokens, num_experts, top_k, 16, 16, torch.float32, device)
+    for _ in range(2):
+        health = new_health_tensor(device)
+        _check_layout(ids, num_experts, nv, 32, ws=ws, health=health)

@@ -11,7 +11,7 @@ inside one expert):
   owns positions [BLOCK_M * (block_end[e-1]), BLOCK_M * block_end[e]): its served slots first (in
   an unspecified order: positions come from atomics), then -1 in the padding positions. Positions
   at or past num_blocks * BLOCK_M are not written and must not be read.
-- Two launches whatever T is, one when a single chunk covers every slot (T*K <= CHUNK): `count`
+- Two launches for large T, one when one chunk covers every slot (T*K <= ALONE_SLOTS): `count`
   histograms each chunk of slots into `counts` with atomics; the last program to finish (an
   acq_rel ticket) turns the counts into the padded layout, writes the -1 padding and cursor[e] =
   first position of e, and puts `counts` and the ticket back to zero, so a workspace needs no
@@ -46,6 +46,14 @@ from safemoe.workspace import WorkspaceViews, capacity, num_bins
 # program does count + scan + scatter alone; more programs split larger batches (a 4096-slot
 # chunk per program took 17-41 us at 16-64k slots on an H200, mostly per-program serial work).
 CHUNK = 1024
+# T*K up to this: one program takes every slot as one chunk (no counters, no scatter launch), with
+# ALONE_WARPS warps once that chunk is wider than CHUNK. H200, whole layer
+# (scripts/debug/dispatch_alone_ab.py, 2026-11-27): 4096 slots / 8 warps against count + scatter
+# launches: gpt-oss T = 1024 with one valid row -1.4% (0.9 us), Qwen3 T = 256 -0.5%, full
+# T*K = 4096 steps unchanged; 8192 slots cost Qwen3's full T = 1024 step +2.5% (the one program's
+# serial work) for -3% on its one-row step, and a 4-warp loop over 1024-slot chunks +1.6% at 4096.
+ALONE_SLOTS = 4096
+ALONE_WARPS = 8
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
 
 
@@ -217,7 +225,7 @@ def dispatch_into(
         raise ValueError("dispatch_into needs T >= 1 (the caller returns early for T = 0)")
     if slots >= 2**31 or capacity(num_tokens, num_experts, top_k) >= 2**31:
         raise ValueError(f"T*K = {slots} slots are past int32 indexing; split the batch")
-    grid = cdiv(slots, CHUNK)
+    grid = 1 if slots <= ALONE_SLOTS else cdiv(slots, CHUNK)
     # A single program takes just the (power-of-two) slots there are: less to histogram at decode.
     chunk = max(16, next_power_of_2(slots)) if grid == 1 else CHUNK
     has_nv_ptr = num_valid.tensor is not None
@@ -230,11 +238,11 @@ def dispatch_into(
         health if health is not None else ids,
         nv_count, num_tokens, num_experts, top_k,
         BLOCK_M=block_m, BLOCK_M_SMALL=small[0] if small else block_m,
-        SMALL_SLOTS=min(small[1], chunk) if small else -1, FEW_SLOTS=few_slots, CHUNK=chunk,
+        SMALL_SLOTS=min(small[1], chunk, CHUNK) if small else -1, FEW_SLOTS=few_slots, CHUNK=chunk,
         NUM_BINS=num_bins(num_experts),
         FILL=min(block_m, small[0] if small else block_m, _PADDING_FILL),
         HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl,
-        num_warps=4, **launch_options(use_pdl),
+        num_warps=4 if chunk <= CHUNK else ALONE_WARPS, **launch_options(use_pdl),
     )
     if grid > 1:
         _scatter_kernel[(grid,)](

@@ -1305,7 +1305,7 @@ def experts_triton(
     and runs with the main config's num_warps/num_stages either way. So results are a
     deterministic function of (T, num_valid <= SMALL_BATCH_TOKENS, one_launch), and a row's bits do
     not depend on what padding rows hold. Launches: dispatch (one, or count + scatter when T*K >
-    1024 slots), GEMM1, GEMM2, combine: four or five, and two more with separate small tiles.
+    ALONE_SLOTS = 4096), GEMM1, GEMM2, combine: four or five, and two more with separate small tiles.
 
     Few slots (`few_config`; default, with `config` None: `few_slots_config`, on unless the tuned
     config turns it off): a batch with num_valid * K <= FEW_SLOTS (16, read on the device) skips the
