@@ -15,7 +15,7 @@ import torch
 from helpers import STALE_ID, by_device, garbage_ids
 from safemoe._checks import NumValid
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
-from safemoe.kernels.dispatch import ALONE_SLOTS, CHUNK, dispatch_triton
+from safemoe.kernels.dispatch import ALONE_SLOTS, ATOMIC_COUNT_BINS, CHUNK, dispatch_triton
 from safemoe.reference import dispatch_reference
 from safemoe.workspace import Workspace, capacity, max_m_blocks
 
@@ -80,7 +80,7 @@ def test_block_sizes(device: str, block_m: int) -> None:
 
 @pytest.mark.memcheck
 @pytest.mark.parametrize(("device", "num_tokens", "num_experts", "top_k", "block_m", "num_valid", "calls"),
-                         by_device(cpu=[(4097, 6, 2, 32, 4000, 1)],
+                         by_device(cpu=[(4097, 6, 2, 32, 4000, 1), (600, 300, 8, 16, 599, 2)],
                                    cuda=[(4097, 6, 2, 32, 4000, 1), (5000, 8, 2, 16, 4997, 3),
                                          (3000, 128, 8, 64, 2997, 3), (1200, 256, 8, 128, 1197, 3)]))
 def test_multi_chunk_with_separate_scatter(device: str, num_tokens: int, num_experts: int, top_k: int,
@@ -168,14 +168,17 @@ def test_one_valid_chunk_in_a_multi_chunk_grid(device: str, num_valid: int) -> N
 
 
 @pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "num_valid"),
-                         [(1000, 4, 16, None), (1000, 4, 16, 257), (512, 8, 128, None), (512, 8, 128, 130)])
+                         [(1000, 4, 16, None), (1000, 4, 16, 257), (512, 8, 128, None), (512, 8, 128, 130),
+                          (400, 10, 512, None), (300, 8, 600, 41)])
 def test_wide_chunk_one_program(device: str, num_tokens: int, top_k: int, num_experts: int,
                                     num_valid: int | None) -> None:
-    """CHUNK < T*K <= ALONE_SLOTS: one program takes every slot as one wide chunk, no counters and
-    no scatter launch (garbage ids dropped and counted, stale padding never read)."""
+    """CHUNK < T*K <= ALONE_SLOTS: one program takes every slot as one wide chunk, no ticket and
+    no scatter launch (garbage ids dropped and counted, stale padding never read); E >= 512
+    (1024 bins, ATOMIC_COUNT_BINS) counts with atomics into the workspace counters, which end at
+    zero."""
     gen = torch.Generator().manual_seed(num_tokens + top_k)
     ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
-    assert CHUNK < num_tokens * top_k <= ALONE_SLOTS
+    assert CHUNK < num_tokens * top_k <= ALONE_SLOTS and ATOMIC_COUNT_BINS == 1024
     nv = _nv(num_tokens) if num_valid is None else _nv(None, num_valid, device)
     if num_valid is not None:
         ids[num_valid:] = STALE_ID

@@ -1,6 +1,7 @@
 """Debug (issue 13): where a decode layer's time goes between its kernels, under CUDA-graph replay.
 
     PYTHONPATH=src python3 scripts/debug/decode_timeline.py [qwen3:64 mixtral:256 qwen3:1024:1 ...]
+        [alone=SLOTS/WARPS qwen3next:128 ...]   (alone=: the dispatch's ALONE_SLOTS/_WARPS from there on)
 
 gluon_decode_probe.py (H200, 2026-11-27) timed the library's decode GEMMs on their own (PDL off)
 at 4.26-4.55 TB/s, 93-99% of the read floor's bandwidth, while the whole layer sits at 81-90% of
@@ -25,6 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import safemoe
+import safemoe.kernels.dispatch as dispatch
 from safemoe.bench.harness import time_graph
 
 SHAPES = {
@@ -32,6 +34,7 @@ SHAPES = {
     "mixtral": (8, 2, 4096, 14336),
     "gptoss": (128, 4, 2880, 2880),
     "deepseek": (256, 8, 7168, 2048),
+    "qwen3next": (512, 10, 2048, 512),
 }
 CALLS = 20
 
@@ -128,6 +131,11 @@ def main() -> None:
     ]
     print(torch.cuda.get_device_name())
     for spec in specs:
+        if spec.startswith("alone="):  # kernels.dispatch.ALONE_SLOTS / ALONE_WARPS for the next cases
+            slots, warps = spec.removeprefix("alone=").split("/")
+            dispatch.ALONE_SLOTS, dispatch.ALONE_WARPS = int(slots), int(warps)
+            print(f"-- ALONE_SLOTS {slots}, ALONE_WARPS {warps}")
+            continue
         name, tokens, *valid = spec.split(":")
         case(name, int(tokens), int(valid[0]) if valid else None)
 

@@ -6,14 +6,16 @@
 Times `safemoe.moe` (ab_entry.layer_step: route + experts, bf16, a workspace, num_valid as a
 device tensor, CUDA-graph replay over 8 seeded routings) with `kernels.dispatch.ALONE_SLOTS` /
 `ALONE_WARPS` set to each SLOTS/WARPS pair in turn, interleaved for --rounds rounds, and prints
-each pair's median per point (and its change from the first pair). 1024/4 is the dispatch before
-the change: one program only up to one 1024-slot chunk, count + scatter launches past it. With
-T*K <= ALONE_SLOTS the grid is one program of ALONE_WARPS warps holding every slot as one chunk
-and there is no scatter launch. Also checks that every pair gives the same output bits (the
-layout's order inside an expert may differ; the GEMMs read each row by its slot). With --dispatch-only a
-point is E:K:T[:NUM_VALID] and the step is the dispatch alone (`dispatch_into`, block_m 16, random
-distinct ids per row), for shapes the bench has no layer of (Qwen3-Next: 512:10). A measurement
-script, not a test. Layer points may also name EXTRA_SHAPES (qwen3next: E = 512, K = 10).
+each pair's median per point (and its change from the first pair); a third field sets
+`ATOMIC_COUNT_BINS` (the bins from which slots are counted with atomics, not tl.histogram). 1024/4
+is the dispatch before the change: one program only up to one 1024-slot chunk, count + scatter
+launches past it. With T*K <= ALONE_SLOTS the grid is one program of ALONE_WARPS warps holding
+every slot as one chunk and there is no scatter launch. Also checks that every pair gives the same
+output bits (the layout's order inside an expert may differ; the GEMMs read each row by its slot).
+With --dispatch-only a point is E:K:T[:NUM_VALID] and the step is the dispatch alone
+(`dispatch_into`, block_m 16, random distinct ids per row), for shapes the bench has no layer of
+(Qwen3-Next: 512:10). A measurement script, not a test. Layer points may also name EXTRA_SHAPES
+(qwen3next: E = 512, K = 10).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ DEFAULT_POINTS = ["qwen3:256", "qwen3:512", "qwen3:1024", "qwen3:1024:1", "gptos
 
 
 def set_alone(pair: str) -> None:
-    slots, warps = pair.split("/")
+    """SLOTS/WARPS[/BINS]: ALONE_SLOTS, ALONE_WARPS and ATOMIC_COUNT_BINS (default 1024)."""
+    slots, warps, *bins = pair.split("/")
     dispatch.ALONE_SLOTS, dispatch.ALONE_WARPS = int(slots), int(warps)
+    dispatch.ATOMIC_COUNT_BINS = int(bins[0]) if bins else 1024
 
 
 def dispatch_step(point: str, device: torch.device) -> Callable[[int], torch.Tensor]:
@@ -64,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("points", nargs="*", default=DEFAULT_POINTS)
     parser.add_argument("--alone", nargs="+", default=["1024/4", "4096/16", "8192/16"],
-                        help="SLOTS/WARPS pairs")
+                        help="SLOTS/WARPS[/ATOMIC_COUNT_BINS] settings")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dispatch-only", action="store_true", help="points are E:K:T[:NUM_VALID]")
     args = parser.parse_args()

@@ -17,7 +17,8 @@ inside one expert):
   first position of e, and puts `counts` and the ticket back to zero, so a workspace needs no
   clearing between calls. `scatter` then gives each served slot `pos = atomic_add(cursor[e], 1)`.
   When the valid slots fit one chunk (num_valid * K <= CHUNK, decided on the device) program 0
-  does all of it from its own histogram: the same steps minus the counters and the ticket, and
+  does all of it from its own histogram (with 1024+ bins and a chunk wider than CHUNK, its own
+  atomic counts, `_count_alone`): the same steps minus the ticket, and
   the scatter kernel returns at once (two dependent atomic round trips fewer at decode, and a
   graph captured for many rows costs little more than decode when few rows are valid). Grids depend on T only;
   programs past the last chunk holding a slot of a valid row return at once, so the work scales
@@ -54,6 +55,12 @@ CHUNK = 1024
 # serial work) for -3% on its one-row step, and a 4-warp loop over 1024-slot chunks +1.6% at 4096.
 ALONE_SLOTS = 4096
 ALONE_WARPS = 8
+# Bins (E < bins <= 2E) from which one wide program (chunk > CHUNK) counts its slots with atomics
+# instead of tl.histogram (see _count_alone). H200, 2026-11-27 (dispatch_alone_ab.py): Qwen3-Next
+# (E = 512) layer T = 128 / 256 -1.2 / -1.7%. Not for 4-warp chunks (Qwen3-Next T = 8: +4.4%) nor
+# the multi-program path (T = 1024: +2.1%); DeepSeek-V3 (512 bins) gained 23% on the dispatch
+# alone at 4096 slots but is not measured in the layer, so it keeps the histogram.
+ATOMIC_COUNT_BINS = 1024
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
 
 
@@ -64,6 +71,25 @@ def _load_chunk(ids_ptr, slots, valid_slots, num_experts):
     expert = tl.load(ids_ptr + slots, mask=in_rows, other=-1)
     served = in_rows & (expert >= 0) & (expert < num_experts)
     return expert, served, in_rows
+
+
+@triton.jit
+def _count_alone(expert, served, bins, num_experts, counts_ptr, NUM_BINS: tl.constexpr,
+                 ATOMIC_COUNT: tl.constexpr):
+    """Served slots per expert ([NUM_BINS], 0 past E) counted by one program. ATOMIC_COUNT: one
+    relaxed atomic add per served slot into the zeroed `counts` workspace, read back and reset with
+    atomic_xchg after a barrier; else tl.histogram, whose warp-ballot algorithm costs
+    ~(bins / 32) * log2(bins) instructions per slot a thread holds (~30 us for 4096 slots into 1024
+    bins on an H200, E = 512), whatever num_valid is."""
+    if ATOMIC_COUNT:
+        tl.atomic_add(counts_ptr + tl.where(served, expert, 0), 1, mask=served, sem="relaxed")
+        # Every thread's adds are ordered before the reads by the barrier (one program, one L2 line
+        # per counter: the exchange sees them all).
+        tl.debug_barrier()
+        counts = tl.atomic_xchg(counts_ptr + bins, 0, mask=bins < num_experts, sem="relaxed")
+        return tl.where(bins < num_experts, counts, 0)
+    else:
+        return tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
 
 
 @triton.jit
@@ -116,6 +142,7 @@ def _count_kernel(
     SMALL_SLOTS: tl.constexpr,  # -1: no small-batch layout
     FEW_SLOTS: tl.constexpr,  # -1: no few-slot path; else its GEMMs build their own layout up to this
     CHUNK: tl.constexpr,
+    ATOMIC_COUNT: tl.constexpr,  # one program counts with atomics, not tl.histogram
     NUM_BINS: tl.constexpr,
     FILL: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr,
@@ -138,8 +165,7 @@ def _count_kernel(
         # does it all from its own histogram: no counter, no ticket, no scatter launch.
         if pid == 0:
             expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
-            # Slots that are not served land in bin E, which is dropped.
-            counts = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
+            counts = _count_alone(expert, served, bins, num_experts, counts_ptr, NUM_BINS, ATOMIC_COUNT)
             if valid_slots <= SMALL_SLOTS:
                 # Few valid slots in a batch tuned for many: the small-batch tiles' layout, whose
                 # GEMM launches run while the main ones find 0 blocks (and the reverse otherwise).
@@ -158,6 +184,7 @@ def _count_kernel(
     else:
         if pid * CHUNK < valid_slots:
             expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
+            # Slots that are not served land in bin E, which is dropped.
             hist = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
             tl.atomic_add(counts_ptr + bins, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
             if HAS_HEALTH:
@@ -240,6 +267,7 @@ def dispatch_into(
         BLOCK_M=block_m, BLOCK_M_SMALL=small[0] if small else block_m,
         SMALL_SLOTS=min(small[1], chunk, CHUNK) if small else -1, FEW_SLOTS=few_slots, CHUNK=chunk,
         NUM_BINS=num_bins(num_experts),
+        ATOMIC_COUNT=chunk > CHUNK and num_bins(num_experts) >= ATOMIC_COUNT_BINS,
         FILL=min(block_m, small[0] if small else block_m, _PADDING_FILL),
         HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl,
         num_warps=4 if chunk <= CHUNK else ALONE_WARPS, **launch_options(use_pdl),
