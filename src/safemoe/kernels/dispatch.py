@@ -16,13 +16,14 @@ inside one expert):
   acq_rel ticket) turns the counts into the padded layout, writes the -1 padding and cursor[e] =
   first position of e, and puts `counts` and the ticket back to zero, so a workspace needs no
   clearing between calls. `scatter` then gives each served slot `pos = atomic_add(cursor[e], 1)`.
-  When the valid slots fit one chunk (num_valid * K <= CHUNK, decided on the device) program 0
-  does all of it from its own histogram (with 1024+ bins and a chunk wider than CHUNK, its own
-  atomic counts, `_count_alone`): the same steps minus the ticket, and
-  the scatter kernel returns at once (two dependent atomic round trips fewer at decode, and a
-  graph captured for many rows costs little more than decode when few rows are valid). Grids depend on T only;
-  programs past the last chunk holding a slot of a valid row return at once, so the work scales
-  with num_valid, which may be a device tensor (read on the device, clamped to [0, T]).
+  When the valid slots fit program 0's chunk (num_valid * K <= the chunk: every slot when
+  T*K <= ALONE_SLOTS, else CHUNK; decided on the device) program 0 does all of it from its own
+  counts (tl.histogram, or with 1024+ bins in a chunk wider than CHUNK atomic adds,
+  `_count_alone`): the same steps minus the ticket, and the scatter kernel, if launched, returns
+  at once (two dependent atomic round trips fewer at decode, and a graph captured for many rows
+  costs little more than decode when few rows are valid). Grids depend on T only; programs past
+  the last chunk holding a slot of a valid row return at once, so the work scales with
+  num_valid, which may be a device tensor (read on the device, clamped to [0, T]).
 """
 
 from __future__ import annotations
