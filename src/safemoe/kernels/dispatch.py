@@ -256,6 +256,8 @@ def dispatch_into(
     grid = 1 if slots <= ALONE_SLOTS else cdiv(slots, CHUNK)
     # A single program takes just the (power-of-two) slots there are: less to histogram at decode.
     chunk = max(16, next_power_of_2(slots)) if grid == 1 else CHUNK
+    wide = chunk > CHUNK  # one program past one chunk: more warps, atomic counts with many bins
+    bins = num_bins(num_experts)
     has_nv_ptr = num_valid.tensor is not None
     nv_ptr = num_valid.tensor if has_nv_ptr else ids
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
@@ -267,11 +269,10 @@ def dispatch_into(
         nv_count, num_tokens, num_experts, top_k,
         BLOCK_M=block_m, BLOCK_M_SMALL=small[0] if small else block_m,
         SMALL_SLOTS=min(small[1], chunk, CHUNK) if small else -1, FEW_SLOTS=few_slots, CHUNK=chunk,
-        NUM_BINS=num_bins(num_experts),
-        ATOMIC_COUNT=chunk > CHUNK and num_bins(num_experts) >= ATOMIC_COUNT_BINS,
+        NUM_BINS=bins, ATOMIC_COUNT=wide and bins >= ATOMIC_COUNT_BINS,
         FILL=min(block_m, small[0] if small else block_m, _PADDING_FILL),
         HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl,
-        num_warps=4 if chunk <= CHUNK else ALONE_WARPS, **launch_options(use_pdl),
+        num_warps=ALONE_WARPS if wide else 4, **launch_options(use_pdl),
     )
     if grid > 1:
         _scatter_kernel[(grid,)](
