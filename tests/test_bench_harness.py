@@ -158,6 +158,30 @@ def test_registry_missing_suite(monkeypatch, tmp_path, capsys):
         bench.load_suite("nope")
 
 
+def test_run_suite_passes_the_chosen_shapes(monkeypatch, tmp_path):
+    """`safemoe bench --shapes`: run_suite hands the names to the suite's run (and nothing when none
+    are given, so suites without shapes keep their signature); every SHAPED_SUITES run takes them."""
+    import inspect
+    import types
+
+    seen: list[object] = []
+    fake = types.ModuleType("fake_suite")
+    fake.SHAPES = {"a": 1, "b": 2}
+
+    def fake_run(ceilings, *, quick, **kwargs):
+        seen.append(kwargs.get("shapes"))
+        return []
+
+    fake.run = fake_run
+    monkeypatch.setattr(bench_cli, "load_suite", lambda name: fake)
+    assert bench_cli.run_suite("fake", CEILINGS, tmp_path, quick=True, shapes=["b"]) == "ok"
+    assert bench_cli.run_suite("fake", CEILINGS, tmp_path, quick=True) == "ok"
+    assert seen == [["b"], None]
+    for name in bench.SHAPED_SUITES:
+        module = bench.load_suite(name)
+        assert module.SHAPES and "shapes" in inspect.signature(module.run).parameters, name
+
+
 def _safemoe_imports(path: Path) -> list[tuple[str, str | None, int]]:
     """(module, imported name or None, line) of every `safemoe` import in a source file, and
     (module, attribute, line) for every `alias._attr` on a safemoe module bound by an import."""

@@ -18,6 +18,9 @@ SUITES: dict[str, str] = {
     "invariance": "safemoe.bench.invariance",
 }
 
+# Suites whose `run` takes `shapes=` (names of their module's SHAPES): `safemoe bench --shapes`.
+SHAPED_SUITES = ("layer", "experts", "experts_fp8", "invariance", "ep")
+
 
 def load_suite(name: str) -> ModuleType | None:
     """The suite's module, or None when that module does not exist yet.

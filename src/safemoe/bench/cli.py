@@ -1,4 +1,4 @@
-"""`safemoe bench [--suite a,b] [--out DIR] [--quick]`: measure the device's ceilings once, run the
+"""`safemoe bench [--suite a,b] [--shapes x,y] [--out DIR] [--quick]`: measure the device's ceilings once, run the
 chosen suites against them, write `<suite>.csv/.json/.png` and `ceilings.json` under DIR.
 
 With more than one suite each suite runs in its own child process (`--isolate`, the default then):
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from safemoe.bench import SUITES, load_suite
+from safemoe.bench import SHAPED_SUITES, SUITES, load_suite
 from safemoe.cli import (
     Parser,
     UsageError,
@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and token counts (a smoke run)")
     parser.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated model shapes to run, e.g. qwen3-next-80b-a3b (every chosen suite must have "
+        f"them: {', '.join(SHAPED_SUITES)} have model shapes; default: each suite's own)",
+    )
+    parser.add_argument(
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -88,6 +94,27 @@ def _parse_suites(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _parse_shapes(text: str | None, suites: list[str]) -> list[str] | None:
+    """The --shapes names, checked against every chosen suite's SHAPES (before anything is timed)."""
+    if text is None:
+        return None
+    names = names_list(text)
+    if not names:
+        raise UsageError("--shapes", f"names no shape, got {text!r}")
+    for suite in suites:
+        if suite not in SHAPED_SUITES:
+            raise UsageError(
+                "--shapes", f"suite {suite!r} has no model shapes to choose; pick from "
+                f"{', '.join(SHAPED_SUITES)} with --suite"
+            )
+        module = load_suite(suite)
+        known = list(getattr(module, "SHAPES", {}))
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise UsageError("--shapes", unknown_names_message(unknown, known, f"shape(s) of suite {suite}"))
+    return list(dict.fromkeys(names))
+
+
 def _load_ceilings(path: Path) -> DeviceCeilings:
     """The ceilings of an earlier run's ceilings.json; anything else is a usage error."""
     from safemoe.bench.harness import DeviceCeilings
@@ -114,8 +141,11 @@ def _heading(text: str) -> None:
     Console().rule(text)
 
 
-def run_suite(name: str, ceilings: DeviceCeilings, out_dir: Path, *, quick: bool) -> str:
-    """Run one suite in this process; returns its status ('ok', 'not built yet', 'failed: ...')."""
+def run_suite(
+    name: str, ceilings: DeviceCeilings, out_dir: Path, *, quick: bool, shapes: list[str] | None = None
+) -> str:
+    """Run one suite in this process; returns its status ('ok', 'not built yet', 'failed: ...').
+    shapes: the model shapes to run (a suite of SHAPED_SUITES), default the suite's own."""
     from safemoe.bench.harness import plot_pct_of_floor, write_results
 
     try:
@@ -127,7 +157,7 @@ def run_suite(name: str, ceilings: DeviceCeilings, out_dir: Path, *, quick: bool
         print(f"suite {name}: not built yet ({SUITES[name]} does not exist)", flush=True)
         return "not built yet"
     try:
-        rows = module.run(ceilings, quick=quick)
+        rows = module.run(ceilings, quick=quick, **({"shapes": shapes} if shapes else {}))
         write_results(rows, out_dir, name, ceilings)
         if hasattr(module, "plot"):
             module.plot(rows, out_dir)
@@ -158,7 +188,7 @@ def _run_isolated(name: str, args: argparse.Namespace, ceilings_path: Path) -> s
         "--ceilings",
         str(ceilings_path),
         "--child",
-    ] + (["--quick"] if args.quick else [])
+    ] + (["--quick"] if args.quick else []) + (["--shapes", args.shapes] if args.shapes else [])
     status_file = args.out / f".status_{name}.json"
     status_file.unlink(missing_ok=True)  # a stale one from an earlier run must not speak for this one
     try:
@@ -176,6 +206,7 @@ def _run_isolated(name: str, args: argparse.Namespace, ceilings_path: Path) -> s
 def run(args: argparse.Namespace) -> int:
     """Every argument is checked (UsageError) before anything is measured, on every machine."""
     names = _parse_suites(args.suite)
+    shapes = _parse_shapes(args.shapes, names)
     given_ceilings = _load_ceilings(Path(args.ceilings)) if args.ceilings is not None else None
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE)
@@ -212,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         if isolate:
             status = _run_isolated(name, args, ceilings_path)
         else:
-            status = run_suite(name, ceilings, out, quick=args.quick)
+            status = run_suite(name, ceilings, out, quick=args.quick, shapes=shapes)
             if args.child:  # tell the parent the status ('not built yet' exits 0 too)
                 (out / f".status_{name}.json").write_text(json.dumps({"status": status}))
         statuses[name] = {"status": status, "seconds": round(time.monotonic() - start, 1)}

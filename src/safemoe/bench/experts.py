@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
     add_speedups,
+    chosen_cases,
     error_note,
     moe_floor_us,
     plot_pct_of_floor,
@@ -264,12 +265,14 @@ def _padding_rows(
     return rows
 
 
-def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
+def run(ceilings: DeviceCeilings, *, quick: bool, shapes: Sequence[str] | None = None) -> list[BenchRow]:
+    """shapes: the SHAPES names to run (`safemoe bench --shapes`); default all."""
     device = torch.device("cuda", torch.cuda.current_device())
     tokens = QUICK_TOKENS if quick else TOKENS
     rows: list[BenchRow] = []
     generator = torch.Generator(device=device).manual_seed(0)
-    for case, shape in SHAPES.items():
+    for case in chosen_cases(SHAPES, None, quick=quick, names=shapes):
+        shape = SHAPES[case]
         num_experts, _, hidden, inter, _ = shape
         # Scaled so activations stay O(1): the bf16 math is then representative.
         w13 = torch.randn(

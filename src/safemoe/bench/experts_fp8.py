@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ from safemoe.bench.harness import (
     BenchRow,
     DeviceCeilings,
     bytes_floor_us,
+    chosen_cases,
     distinct_experts,
     error_note,
     flops_floor_us,
@@ -396,12 +397,17 @@ def _quantize_row(
 
 
 def run(
-    ceilings: DeviceCeilings, *, quick: bool, on_case: Callable[[list[BenchRow]], None] | None = None
+    ceilings: DeviceCeilings,
+    *,
+    quick: bool,
+    on_case: Callable[[list[BenchRow]], None] | None = None,
+    shapes: Sequence[str] | None = None,
 ) -> list[BenchRow]:
-    """All rows; `on_case(rows so far)` after each model shape (partial results survive a timeout)."""
+    """All rows; `on_case(rows so far)` after each model shape (partial results survive a timeout);
+    shapes: the SHAPES names to run (`safemoe bench --shapes`), default all (QUICK_SHAPES with quick)."""
     device = torch.device("cuda", torch.cuda.current_device())
     rows: list[BenchRow] = []
-    for case in QUICK_SHAPES if quick else SHAPES:
+    for case in chosen_cases(SHAPES, QUICK_SHAPES, quick=quick, names=shapes):
         shape = SHAPES[case]
         weights = _Weights(shape, device, seed=0)
         for num_tokens in progress(QUICK_TOKENS if quick else TOKENS, f"experts_fp8 suite: {case}"):

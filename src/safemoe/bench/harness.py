@@ -22,7 +22,7 @@ import csv
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -691,6 +691,22 @@ def plot_pct_of_floor(rows: list[BenchRow], path: Path, title: str) -> Path | No
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def chosen_cases(
+    shapes: dict[str, Any], quick_shapes: Iterable[str] | None, *, quick: bool, names: Sequence[str] | None
+) -> list[str]:
+    """The model shapes a suite runs, in its own order: `names` when given (`safemoe bench --shapes`,
+    checked against `shapes` before anything is timed), else the quick ones with --quick (all when
+    the suite has no quick list), else all."""
+    if names:
+        unknown = [name for name in names if name not in shapes]
+        if unknown:
+            raise ValueError(f"unknown shape(s) {unknown}; known: {', '.join(shapes)}")
+        return [case for case in shapes if case in names]
+    if quick and quick_shapes is not None:
+        return [case for case in shapes if case in quick_shapes]
+    return list(shapes)
 
 
 def progress(items: Iterable[_Item], description: str) -> Iterator[_Item]:

@@ -15,12 +15,20 @@ prefill. Floor per row as in the layer suite (weights streamed once, or the FLOP
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 import safemoe
-from safemoe.bench.harness import BenchRow, DeviceCeilings, error_note, moe_floor_us, progress, time_auto
+from safemoe.bench.harness import (
+    BenchRow,
+    DeviceCeilings,
+    chosen_cases,
+    error_note,
+    moe_floor_us,
+    progress,
+    time_auto,
+)
 
 SUITE = "invariance"
 
@@ -94,11 +102,13 @@ def _case_rows(case: str, shape: tuple[int, int, int, int], num_tokens: int,
     return rows
 
 
-def run(ceilings: DeviceCeilings, *, quick: bool) -> list[BenchRow]:
+def run(ceilings: DeviceCeilings, *, quick: bool, shapes: Sequence[str] | None = None) -> list[BenchRow]:
+    """shapes: the SHAPES names to run (`safemoe bench --shapes`); default all."""
     device = torch.device("cuda", torch.cuda.current_device())
     tokens = QUICK_TOKENS if quick else TOKENS
     rows: list[BenchRow] = []
-    for case, shape in SHAPES.items():
+    for case in chosen_cases(SHAPES, None, quick=quick, names=shapes):
+        shape = SHAPES[case]
         num_experts, top_k, hidden, inter = shape
         torch.manual_seed(0)
         layers = _layers(shape, device)
