@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 scripts/debug/decode_timeline.py [qwen3:64 mixtral:256 qwen3:1024:1 ...]
         [alone=SLOTS/WARPS qwen3next:128 ...]   (alone=: the dispatch's ALONE_SLOTS/_WARPS from there on)
+        [quant=block qwen3:64 quant=per_tensor ... quant=none]   (fp8 weights from there on)
 
 gluon_decode_probe.py (H200, 2026-11-27) timed the library's decode GEMMs on their own (PDL off)
 at 4.26-4.55 TB/s, 93-99% of the read floor's bandwidth, while the whole layer sits at 81-90% of
@@ -27,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import safemoe
 import safemoe.kernels.dispatch as dispatch
+from safemoe.fp8 import quantize_experts
 from safemoe.bench.harness import time_graph
 
 SHAPES = {
@@ -37,10 +39,11 @@ SHAPES = {
     "qwen3next": (512, 10, 2048, 512),
 }
 CALLS = 20
+QUANT: str | None = None  # fp8 weights (safemoe.fp8.quantize_experts mode) for the next cases
 
 
 def short(name: str) -> str:
-    for key in ("route", "count", "scatter", "few_gemms", "gemm1", "gemm2", "combine"):
+    for key in ("route", "count", "scatter", "quantize", "few_gemms", "gemm1", "gemm2", "combine"):
         if key in name:
             return key
     return name[:30]
@@ -53,11 +56,15 @@ def case(name: str, tokens: int, num_valid: int | None = None) -> None:
     logits = torch.randn(tokens, e, dtype=torch.float32, device="cuda", generator=g)
     w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device="cuda", generator=g) * h**-0.5
     w2 = torch.randn(e, h, i, dtype=torch.bfloat16, device="cuda", generator=g) * i**-0.5
-    ws = safemoe.Workspace(tokens, e, k, h, i, torch.bfloat16, "cuda")
+    scales: dict[str, torch.Tensor] = {}
+    if QUANT is not None:
+        w13, w2, s13, s2 = quantize_experts(w13, w2, QUANT)
+        scales = {"w13_scale": s13, "w2_scale": s2}
+    ws = safemoe.Workspace(tokens, e, k, h, i, torch.bfloat16, "cuda", fp8=QUANT is not None)
     nv = None if num_valid is None else torch.tensor(num_valid, dtype=torch.int32, device="cuda")
 
     def step(_: int) -> torch.Tensor:
-        return safemoe.moe(x, logits, w13, w2, k, num_valid=nv, workspace=ws, backend="triton")
+        return safemoe.moe(x, logits, w13, w2, k, num_valid=nv, workspace=ws, backend="triton", **scales)
 
     per_call = time_graph(step, calls_per_graph=CALLS, replays=30)
     graph = torch.cuda.CUDAGraph()
@@ -104,7 +111,7 @@ def case(name: str, tokens: int, num_valid: int | None = None) -> None:
             previous_end = end
     period = statistics.median(periods) if periods else float("nan")
     print(
-        f"== {name} T={tokens} num_valid={num_valid}: time_graph {per_call:.1f} us/call; "
+        f"== {name} T={tokens} num_valid={num_valid} fp8={QUANT}: time_graph {per_call:.1f} us/call; "
         f"call period in the trace {period:.1f} us; {len(calls)} calls traced",
         flush=True,
     )
@@ -119,6 +126,7 @@ def case(name: str, tokens: int, num_valid: int | None = None) -> None:
 
 
 def main() -> None:
+    global QUANT
     specs = sys.argv[1:] or [
         "qwen3:1",
         "qwen3:8",
@@ -135,6 +143,10 @@ def main() -> None:
             slots, warps = spec.removeprefix("alone=").split("/")
             dispatch.ALONE_SLOTS, dispatch.ALONE_WARPS = int(slots), int(warps)
             print(f"-- ALONE_SLOTS {slots}, ALONE_WARPS {warps}")
+            continue
+        if spec.startswith("quant="):
+            mode = spec.removeprefix("quant=")
+            QUANT = None if mode == "none" else mode
             continue
         name, tokens, *valid = spec.split(":")
         case(name, int(tokens), int(valid[0]) if valid else None)
