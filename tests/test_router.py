@@ -414,6 +414,7 @@ def test_grid_matches_reference(num_experts, top_k, n_group, topk_group, dtype):
     (8, 2, {}),
     (160, 6, {"n_group": 8, "topk_group": 3}),
     (160, 6, {"n_group": 8, "topk_group": 3, "group_score": "max", "renormalize": False}),
+    (512, 10, {}),  # Qwen3-Next: its tuned pick (one row, one warp) comes first
 ])
 def test_every_config_agrees(num_experts, top_k, mode):
     """The configs the bench sweeps (rows per program, warps) all compute the same as the
@@ -544,3 +545,14 @@ if __name__ == "__main__":
         print("router memcheck cases: need a CUDA GPU; nothing run")
         sys.exit(0)
     sys.exit(1 if memcheck_cases() else 0)
+
+
+def test_qwen3_next_tuned_configs_match_the_reference(device):
+    """The bf16 launch configs tuned for E = 512, K = 10 (one row a program, then two; one warp)
+    route like the reference, padded rows and adversarial rows included."""
+    logits = _rows(512, torch.bfloat16, seed=41, device=device)
+    picks = {router._pick_config(t, 512, 10, 2) for t in (1, 1024, 8192)}
+    assert picks == {router.RouterConfig(1, 1), router.RouterConfig(2, 1)}
+    for config in sorted(picks, key=lambda c: c.block_t):
+        _assert_matches(logits, 10, f"{config}", num_valid=torch.tensor(logits.shape[0] - 2, device=device),
+                        config=config)

@@ -340,6 +340,11 @@ _TUNED: dict[tuple[int, int, bool], list[tuple[int, int, int]]] = {
     (128, 4, False): [(1, 1, 1), (8, 8, 8), (64, 2, 1), (128, 8, 4), (1024, 4, 2), (4096, 16, 8),
                       (8192, 4, 1), (16384, 8, 2)],
     (256, 8, False): [(1, 1, 1), (1024, 2, 2), (8192, 1, 1), (16384, 4, 1)],
+    # Qwen3-Next (E = 512, K = 10): one row a warp-wide program (H200 2026-11-27,
+    # scripts/debug/router_candidates.py: T = 1 3.28 -> 2.55 us, T = 1024 7.16 -> 3.88 us and
+    # 6.69 -> 2.70 us with one valid row; whole layer T = 1 -7.1%, T = 1024 with one valid row
+    # -10.9%). Past 4096 rows two rows a program: a padded step launches half the programs.
+    (512, 10, False): [(4096, 1, 1), (16384, 2, 1)],
 }
 
 
