@@ -60,7 +60,8 @@ ALONE_WARPS = 8
 # instead of tl.histogram (see _count_alone). H200, 2026-11-27 (dispatch_alone_ab.py): Qwen3-Next
 # (E = 512) layer T = 128 / 256 -1.2 / -1.7%. Not for 4-warp chunks (Qwen3-Next T = 8: +4.4%) nor
 # the multi-program path (T = 1024: +2.1%); DeepSeek-V3 (512 bins) gained 23% on the dispatch
-# alone at 4096 slots but is not measured in the layer, so it keeps the histogram.
+# alone at 4096 slots but nothing in the layer (-0.1% at T = 512, 2026-11-27), so it keeps the
+# histogram.
 ATOMIC_COUNT_BINS = 1024
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
 
