@@ -28,8 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import safemoe
 import safemoe.kernels.dispatch as dispatch
-from safemoe.fp8 import quantize_experts
 from safemoe.bench.harness import time_graph
+from safemoe.fp8 import quantize_experts
 
 SHAPES = {
     "qwen3": (128, 8, 2048, 768),

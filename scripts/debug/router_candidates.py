@@ -36,7 +36,8 @@ def time_config(case: Case, inputs: Inputs, config: routing.RouterConfig) -> flo
                       n_variants=len(inputs.logits), calls_per_graph=20, replays=30)
 
 
-def tune(num_experts: int, top_k: int, tokens: list[int], device: torch.device) -> list[tuple[int, int, int]]:
+def tune(num_experts: int, top_k: int, tokens: list[int],
+         device: torch.device) -> list[tuple[int, int, int]]:
     case = Case(num_experts, RouteConfig(top_k))
     entry: list[tuple[int, int, int]] = []
     for num_tokens in tokens:
@@ -55,19 +56,21 @@ def tune(num_experts: int, top_k: int, tokens: list[int], device: torch.device) 
             mark = " <- pick" if config == pick[0] else (" (heuristic)" if config == heuristic[0] else "")
             one_text = f"{us_one:7.2f}" if us_one is not None else "      -"
             print(f"E={num_experts} K={top_k} T={num_tokens:6d} block_t={config.block_t:3d} "
-                  f"warps={config.num_warps}: full {us_full:7.2f} us, one valid row {one_text} us{mark}",
-                  flush=True)
+                  f"warps={config.num_warps}: full {us_full:7.2f} us, one valid row {one_text} us"
+                  f"{mark}", flush=True)
         entry.append((num_tokens, pick[0].block_t, pick[0].num_warps))
     return entry
 
 
-def layer_check(num_experts: int, top_k: int, entry: list[tuple[int, int, int]], device: torch.device) -> None:
+def layer_check(num_experts: int, top_k: int, entry: list[tuple[int, int, int]],
+                device: torch.device) -> None:
     if num_experts not in LAYER:
         return
     hidden, inter = LAYER[num_experts]
     g = torch.Generator(device=device).manual_seed(0)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=torch.bfloat16, device=device, generator=g) * hidden**-0.5
-    w2 = torch.randn(num_experts, hidden, inter, dtype=torch.bfloat16, device=device, generator=g) * inter**-0.5
+    bf16 = torch.bfloat16
+    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=bf16, device=device, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, dtype=bf16, device=device, generator=g) * inter**-0.5
     key = (routing.next_power_of_2(num_experts), top_k, False)
     points = [(1, None), (1024, 1), (1024, None), (64, None), (8192, None)]
     results: dict[tuple[str, int, int | None], list[float]] = {}
@@ -79,12 +82,13 @@ def layer_check(num_experts: int, top_k: int, entry: list[tuple[int, int, int]],
                 routing._TUNED[key] = table
             for num_tokens, num_valid in points:
                 x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device=device, generator=g)
-                logits = torch.randn(num_tokens, num_experts, dtype=torch.bfloat16, device=device, generator=g)
-                ws = safemoe.Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
+                logits = torch.randn(num_tokens, num_experts, dtype=bf16, device=device, generator=g)
+                ws = safemoe.Workspace(num_tokens, num_experts, top_k, hidden, inter, bf16, device)
                 nv = None if num_valid is None else torch.tensor(num_valid, dtype=torch.int32, device=device)
 
-                def step(_: int) -> torch.Tensor:
-                    return safemoe.moe(x, logits, w13, w2, top_k, num_valid=nv, workspace=ws, backend="triton")
+                def step(_: int, x=x, logits=logits, nv=nv, ws=ws) -> torch.Tensor:
+                    return safemoe.moe(x, logits, w13, w2, top_k, num_valid=nv, workspace=ws,
+                                       backend="triton")
 
                 us = time_graph(step, calls_per_graph=10, replays=20)
                 results.setdefault((label, num_tokens, num_valid), []).append(us)
@@ -107,7 +111,8 @@ def main() -> None:
     for spec in args.shapes:
         num_experts, top_k = (int(v) for v in spec.split(":"))
         entry = tune(num_experts, top_k, tokens, device)
-        print(f"suggested _TUNED[({routing.next_power_of_2(num_experts)}, {top_k}, False)] = {entry}", flush=True)
+        key = (routing.next_power_of_2(num_experts), top_k, False)
+        print(f"suggested _TUNED[{key}] = {entry}", flush=True)
         layer_check(num_experts, top_k, entry, device)
 
 

@@ -1,5 +1,6 @@
-"""`safemoe bench [--suite a,b] [--shapes x,y] [--out DIR] [--quick]`: measure the device's ceilings once, run the
-chosen suites against them, write `<suite>.csv/.json/.png` and `ceilings.json` under DIR.
+"""`safemoe bench [--suite a,b] [--shapes x,y] [--out DIR] [--quick]`: measure the device's
+ceilings once, run the chosen suites against them, write `<suite>.csv/.json/.png` and
+`ceilings.json` under DIR.
 
 With more than one suite each suite runs in its own child process (`--isolate`, the default then):
 a suite whose kernels fault cannot take the others down with it, and every child reuses the
