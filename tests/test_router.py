@@ -556,3 +556,37 @@ def test_qwen3_next_tuned_configs_match_the_reference(device):
     for config in sorted(picks, key=lambda c: c.block_t):
         _assert_matches(logits, 10, f"{config}", num_valid=torch.tensor(logits.shape[0] - 2, device=device),
                         config=config)
+
+
+def test_router_table_file(tmp_path):
+    """configs/router.json holds the tuned launch configs (data, not code); a malformed table is a
+    ValueError naming the file and the entry, never a silent fallback."""
+    import json
+
+    table = router.tuned_router_table()
+    assert table == router.load_router_table(router.ROUTER_TABLE)
+    assert table[(512, 10, False)] == ((4096, 1, 1), (16384, 2, 1))
+    assert router._pick_config(1024, 512, 10, 2) == router.RouterConfig(1, 1)
+    assert router._pick_config(1024, 512, 10, 4) != router.RouterConfig(1, 1)  # fp32 logits: heuristic
+    good = {"experts_padded": 64, "top_k": 4, "grouped": False, "buckets": [[1, 1, 1], [64, 2, 2]]}
+    path = tmp_path / "router.json"
+    path.write_text(json.dumps({"entries": [good]}))
+    assert router.load_router_table(path) == {(64, 4, False): ((1, 1, 1), (64, 2, 2))}
+    bad_entries = {
+        "power of two": {**good, "experts_padded": 60},
+        "rising": {**good, "buckets": [[64, 1, 1], [8, 1, 1]]},
+        "non-empty": {**good, "buckets": []},
+        "num_warps": {**good, "buckets": [[1, 1, 3]]},
+        "block_t": {**good, "buckets": [[1, 3, 1]]},
+        "KeyError": {k: v for k, v in good.items() if k != "top_k"},
+    }
+    for text, entry in bad_entries.items():
+        path.write_text(json.dumps({"entries": [entry]}))
+        with pytest.raises(ValueError, match=rf"router\.json.*entry 0.*{text}"):
+            router.load_router_table(path)
+    path.write_text(json.dumps({"entries": [good, good]}))
+    with pytest.raises(ValueError, match=r"entry 1.*twice"):
+        router.load_router_table(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"router\.json.*not readable"):
+        router.load_router_table(path)

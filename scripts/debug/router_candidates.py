@@ -10,7 +10,8 @@ num_valid is. For every T this times each `routing.candidate_configs` config (bf
 replay, num_valid as a device tensor) with all rows valid and, from T = 64, with one valid row;
 suggests per T the fastest full batch among those within PADDED_TOLERANCE of it whose padded step
 is fastest; then times `safemoe.moe` (route + experts, heuristic expert tiles or the device
-table's) with the heuristic router configs and with the suggestion (patched into routing._TUNED),
+table's) with the heuristic router configs and with the suggestion (in place of the shipped
+configs/router.json entry, if any),
 interleaved. A measurement script, not a test.
 """
 
@@ -72,14 +73,14 @@ def layer_check(num_experts: int, top_k: int, entry: list[tuple[int, int, int]],
     w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=bf16, device=device, generator=g) * hidden**-0.5
     w2 = torch.randn(num_experts, hidden, inter, dtype=bf16, device=device, generator=g) * inter**-0.5
     key = (routing.next_power_of_2(num_experts), top_k, False)
+    shipped = routing.tuned_router_table()
+    without = {k: v for k, v in shipped.items() if k != key}
+    tables = {"heuristic": without, "pick": {**without, key: tuple(entry)}}
     points = [(1, None), (1024, 1), (1024, None), (64, None), (8192, None)]
     results: dict[tuple[str, int, int | None], list[float]] = {}
     for _ in range(3):
-        for label, table in (("heuristic", None), ("pick", entry)):
-            if table is None:
-                routing._TUNED.pop(key, None)
-            else:
-                routing._TUNED[key] = table
+        for label, table in tables.items():
+            routing.tuned_router_table = lambda table=table: table  # _pick_config reads it per call
             for num_tokens, num_valid in points:
                 x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device=device, generator=g)
                 logits = torch.randn(num_tokens, num_experts, dtype=bf16, device=device, generator=g)
@@ -92,7 +93,7 @@ def layer_check(num_experts: int, top_k: int, entry: list[tuple[int, int, int]],
 
                 us = time_graph(step, calls_per_graph=10, replays=20)
                 results.setdefault((label, num_tokens, num_valid), []).append(us)
-    routing._TUNED.pop(key, None)
+    routing.tuned_router_table = lambda: shipped
     for num_tokens, num_valid in points:
         base = statistics.median(results[("heuristic", num_tokens, num_valid)])
         new = statistics.median(results[("pick", num_tokens, num_valid)])
@@ -112,7 +113,7 @@ def main() -> None:
         num_experts, top_k = (int(v) for v in spec.split(":"))
         entry = tune(num_experts, top_k, tokens, device)
         key = (routing.next_power_of_2(num_experts), top_k, False)
-        print(f"suggested _TUNED[{key}] = {entry}", flush=True)
+        print(f"suggested configs/router.json entry {key}: buckets {[list(b) for b in entry]}", flush=True)
         layer_check(num_experts, top_k, entry, device)
 
 

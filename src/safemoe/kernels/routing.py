@@ -42,7 +42,9 @@ the launch config is `batch_invariant_router_config`, one for every T of a shape
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -326,26 +328,50 @@ class RouterConfig:
     num_warps: int
 
 
-# Tuned on an H200 by `python -m safemoe.bench.router` (each safemoe row's extra.config in
-# bench/results/router_NVIDIA-H200_2026-11-21.csv): per (E_PAD, K, grouped) for bf16 logits, the
-# fastest (block_t, num_warps) up to each T; larger T reuse the last entry. Neighbouring configs
-# are within a few percent of each other, so the jumps between entries are mostly noise. Other
-# shapes and dtypes take the heuristic below.
-_TUNED: dict[tuple[int, int, bool], list[tuple[int, int, int]]] = {
-    (128, 8, False): [(1, 1, 1), (8, 8, 8), (64, 4, 2), (128, 2, 1), (1024, 4, 2), (4096, 16, 8),
-                      (8192, 32, 8), (16384, 4, 1)],
-    (256, 8, True): [(1, 1, 1), (8, 2, 2), (128, 4, 4), (1024, 2, 2), (16384, 2, 1)],
-    (8, 2, False): [(1, 1, 8), (8, 8, 1), (64, 64, 2), (1024, 128, 4), (4096, 64, 2), (8192, 128, 4),
-                    (16384, 64, 2)],
-    (128, 4, False): [(1, 1, 1), (8, 8, 8), (64, 2, 1), (128, 8, 4), (1024, 4, 2), (4096, 16, 8),
-                      (8192, 4, 1), (16384, 8, 2)],
-    (256, 8, False): [(1, 1, 1), (1024, 2, 2), (8192, 1, 1), (16384, 4, 1)],
-    # Qwen3-Next (E = 512, K = 10): one row a warp-wide program (H200 2026-11-27,
-    # scripts/debug/router_candidates.py: T = 1 3.28 -> 2.55 us, T = 1024 7.16 -> 3.88 us and
-    # 6.69 -> 2.70 us with one valid row; whole layer T = 1 -7.1%, T = 1024 with one valid row
-    # -10.9%). Past 4096 rows two rows a program: a padded step launches half the programs.
-    (512, 10, False): [(4096, 1, 1), (16384, 2, 1)],
-}
+# The launch configs tuned per shape (bf16 logits) live in configs/router.json; how each was
+# measured is in its entries. Other shapes and dtypes take the heuristic of _pick_config.
+ROUTER_TABLE = Path(__file__).resolve().parent.parent / "configs" / "router.json"
+_NUM_WARPS = (1, 2, 4, 8, 16, 32)
+
+RouterTable = dict[tuple[int, int, bool], tuple[tuple[int, int, int], ...]]
+
+
+def load_router_table(path: Path) -> RouterTable:
+    """{(E padded to a power of two, K, grouped): ((largest T, block_t, num_warps), ...)} from a
+    router table file; ValueError naming the file and the entry for anything malformed."""
+    try:
+        entries = json.loads(Path(path).read_text())["entries"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        reason = f"{type(error).__name__}: {error}"
+        raise ValueError(f"router table {str(path)!r} is not readable: {reason}") from None
+    table: RouterTable = {}
+    for n, entry in enumerate(entries):
+        where = f"router table {str(path)!r}, entry {n}"
+        try:
+            key = (int(entry["experts_padded"]), int(entry["top_k"]), bool(entry["grouped"]))
+            buckets = tuple((int(t), int(b), int(w)) for t, b, w in entry["buckets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
+        e_pad, top_k, _ = key
+        if e_pad < 1 or e_pad & (e_pad - 1) or not 1 <= top_k <= e_pad:
+            raise ValueError(f"{where}: experts_padded must be a power of two >= top_k >= 1, got {key}")
+        if key in table:
+            raise ValueError(f"{where}: {key} appears twice")
+        tokens = [t for t, _, _ in buckets]
+        if not buckets or tokens != sorted(set(tokens)) or tokens[0] < 1:
+            raise ValueError(f"{where}: buckets must be non-empty, by strictly rising T >= 1, got {tokens}")
+        for _, block_t, num_warps in buckets:
+            if block_t < 1 or block_t & (block_t - 1) or num_warps not in _NUM_WARPS:
+                raise ValueError(f"{where}: block_t must be a power of two and num_warps one of "
+                                 f"{_NUM_WARPS}, got block_t {block_t}, num_warps {num_warps}")
+        table[key] = buckets
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def tuned_router_table() -> RouterTable:
+    """The shipped table (configs/router.json), read once."""
+    return load_router_table(ROUTER_TABLE)
 
 
 def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
@@ -355,7 +381,7 @@ def _pick_config(num_tokens: int, num_experts: int, top_k: int, elem_size: int,
     bytes per thread a row takes E_PAD * elem_size / 16 lanes."""
     e_pad = next_power_of_2(num_experts)
     cap = next_power_of_2(max(num_tokens, 1))
-    tuned = _TUNED.get((e_pad, top_k, grouped)) if elem_size == 2 else None
+    tuned = tuned_router_table().get((e_pad, top_k, grouped)) if elem_size == 2 else None
     if tuned is not None:
         block_t, num_warps = next(((b, w) for t, b, w in tuned if num_tokens <= t), tuned[-1][1:])
         return RouterConfig(block_t=min(block_t, cap), num_warps=num_warps)
