@@ -80,3 +80,30 @@ def test_bad_arguments_exit_before_timing(tune_router, capsys, argv, text):
         tune_router.main(argv)
     assert exit_info.value.code == 2
     assert text in capsys.readouterr().err
+
+
+def test_main_writes_the_entry_and_the_log(tune_router, monkeypatch, tmp_path, capsys):
+    """The whole flow with the GPU timing replaced by made-up timings: picks per T, the folded
+    buckets merged into the table (a copy here) and every timing in --out."""
+    table = tmp_path / "router.json"
+    table.write_text(routing.ROUTER_TABLE.read_text())
+    monkeypatch.setattr(routing, "ROUTER_TABLE", table)
+    monkeypatch.setattr(tune_router.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_router.torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+
+    def fake_timings(num_experts, top_k, num_tokens, device):
+        one = (lambda us: us) if num_tokens >= tune_router.PADDED_FROM else (lambda us: None)
+        small_first = num_tokens <= 64
+        return [tune_router.Timing(cfg(8, 4), 9.0, one(9.0)),
+                tune_router.Timing(cfg(1, 1), 5.0 if small_first else 7.0, one(2.0)),
+                tune_router.Timing(cfg(2, 2), 6.0, one(3.0))]
+
+    monkeypatch.setattr(tune_router, "time_candidates", fake_timings)
+    out = tmp_path / "log.json"
+    assert tune_router.main(["64:4", "--tokens", "1,64,1024", "--write", "--out", str(out)]) == 0
+    # T = 1, 64: (1, 1) is fastest; T = 1024: (2, 2) fastest full, (1, 1) outside 3% of it
+    assert routing.load_router_table(table)[(64, 4, False)] == ((64, 1, 1), (1024, 2, 2))
+    log = json.loads(out.read_text())
+    assert log["device"] == "Fake GPU" and len(log["shapes"][0]["timings"]) == 9
+    assert "Fake GPU" in json.loads(table.read_text())["entries"][-1]["source"]
+    assert "router.json entry (64, 4, False)" in capsys.readouterr().out
