@@ -3,24 +3,17 @@ router.json merge and its on-disk format, and the arguments checked before anyth
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers import load_script
 from safemoe.kernels import routing
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tune_router.py"
 
 
 @pytest.fixture(scope="module")
 def tune_router():
-    spec = importlib.util.spec_from_file_location("tune_router", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tune_router")
 
 
 def cfg(block_t: int, num_warps: int) -> routing.RouterConfig:
