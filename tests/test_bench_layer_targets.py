@@ -116,3 +116,5 @@ def test_chosen_cases_keeps_the_suite_order_and_rejects_unknown_names():
     assert chosen_cases({"a": 1, "b": 2}, None, quick=True, names=None) == ["a", "b"]
     with pytest.raises(ValueError, match="unknown shape"):
         chosen_cases(layer.SHAPES, None, quick=False, names=["qwen3-nxt"])
+    with pytest.raises(TypeError, match="sequence of shape names"):
+        chosen_cases(layer.SHAPES, None, quick=False, names="qwen3-30b-a3b")

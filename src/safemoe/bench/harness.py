@@ -699,6 +699,8 @@ def chosen_cases(
     """The model shapes a suite runs, in its own order: `names` when given (`safemoe bench --shapes`,
     checked against `shapes` before anything is timed), else the quick ones with --quick (all when
     the suite has no quick list), else all."""
+    if isinstance(names, str):  # a bare name would be read as its characters
+        raise TypeError(f"names must be a sequence of shape names, got the str {names!r}")
     if names:
         unknown = [name for name in names if name not in shapes]
         if unknown:

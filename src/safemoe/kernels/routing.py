@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
+from safemoe.configs import CONFIG_DIR
 from safemoe.health import HEALTH_SLOTS, NONFINITE_ROWS, PADDED_ROWS
 from safemoe.kernels.launch import (
     cdiv,
@@ -330,7 +331,7 @@ class RouterConfig:
 
 # The launch configs tuned per shape (bf16 logits) live in configs/router.json; how each was
 # measured is in its entries. Other shapes and dtypes take the heuristic of _pick_config.
-ROUTER_TABLE = Path(__file__).resolve().parent.parent / "configs" / "router.json"
+ROUTER_TABLE = CONFIG_DIR / "router.json"
 _NUM_WARPS = (1, 2, 4, 8, 16, 32)
 
 RouterTable = dict[tuple[int, int, bool], tuple[tuple[int, int, int], ...]]
