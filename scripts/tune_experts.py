@@ -520,7 +520,11 @@ def prefer_fast_padded_step(case: Case, results: list[tuple[float, ExpertsConfig
     fastest one-valid-row step wins (`choose_for_padded_step`). H100 2026-11-26, Qwen3 T = 1024:
     the full batch within 1% at 1-8 programs per SM, the one-row step 38.5 us at 1 and 40.4 at 8;
     a tune that kept the fastest full batch alone picked 8-warp 128-row tiles whose one-row step
-    made the layer's padded step 1.42x T = 1 (48.4 / 34.0 us)."""
+    made the layer's padded step 1.42x T = 1 (48.4 / 34.0 us). A candidate whose BLOCK_M is above
+    the small-batch tiles' (`case.small_source`) is timed with them, in launches of their own, as
+    the call will run it until one_launch is decided (H100 2026-11-27, Qwen3-Next T = 512: a
+    32-row candidate's one-row step was 32.9 us without them and 37.1 with them, the same as the
+    16-row tiles it then replaced by 0.1% on the full batch)."""
     fastest = results[0][0]
     close: list[tuple[float, ExpertsConfig]] = []
     seen: set[ExpertsConfig] = set()
@@ -534,11 +538,23 @@ def prefer_fast_padded_step(case: Case, results: list[tuple[float, ExpertsConfig
         return results
     padded = {}
     for index, (_, cfg) in enumerate(close):
-        us = _timed(case, cfg, log, "padded_one_row", None, num_valid=ONE_LAUNCH_ONE_ROW)
+        small = padded_step_small(case, cfg)
+        us = _timed(case, cfg, log, "padded_one_row", None, small=small, num_valid=ONE_LAUNCH_ONE_ROW)
         if us is not None:
             padded[index] = us
     pick = close[choose_for_padded_step({index: us for index, (us, _) in enumerate(close)}, padded)]
     return [pick] + [r for r in results if r is not pick]
+
+
+def padded_step_small(case: Case | None, cfg: ExpertsConfig) -> ExpertsConfig | None:
+    """The small-batch tiles a call of `case`'s bucket runs beside `cfg` (small_tiles_from's rule,
+    with `case.small_source` as the SMALL_BATCH_TOKENS config), or None."""
+    from safemoe.kernels.experts import small_tiles_from
+
+    source = getattr(case, "small_source", None)
+    if case is None or source is None:
+        return None
+    return small_tiles_from(case.num_tokens, cfg, lambda: source)
 
 
 def one_launch_plan(
@@ -738,6 +754,9 @@ class Case:
         self.heuristic = heuristic  # the untuned tiles, timed too (the incumbent may be a neighbour's)
         self.replace_margin = replace_margin
         self.ranked: list[tuple[float, ExpertsConfig]] = []  # tune_case's final ranking
+        # the SMALL_BATCH_TOKENS config a call of this bucket takes its small-batch tiles from
+        # (this run's winner or the device table's; set by main): prefer_fast_padded_step's
+        self.small_source: ExpertsConfig | None = None
         self.xs = [
             torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
             for _ in range(N_VARIANTS)
@@ -1646,6 +1665,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             case = Case(name, w13, w2, num_tokens, fp8=fp8, incumbent=incumbents[name, num_tokens],
                         heuristic=heuristics[name, num_tokens], replace_margin=args.replace_margin)
+            case.small_source = tuned.get(token_bucket(SMALL_BATCH_TOKENS)) or incumbent_config(
+                name, SMALL_BATCH_TOKENS, args.quant, device)
             best = tune_case(case, log, deadline)
             if best is None:
                 continue

@@ -71,6 +71,33 @@ def test_prefer_fast_padded_step_times_the_close_candidates_once(monkeypatch):
     assert ordered[0] == (100.5, cfgs[1]) and len(ordered) == len(results)
 
 
+def test_padded_step_candidates_run_with_their_small_tiles(monkeypatch):
+    """A candidate whose BLOCK_M is above the small-batch tiles' is timed on the one-row step with
+    those tiles, as the call runs it (the Qwen3-Next T = 512 tune of 2026-11-27 timed a 32-row
+    candidate without them: 32.9 us there, 37.1 in the call); a 16-row one without; none in a
+    bucket of SMALL_BATCH_TOKENS rows or fewer, nor without a case."""
+    import types
+
+    tune = _load()
+    small = ExpertsConfig(16, GemmTiles(block_n=32, block_k=64), GemmTiles(block_n=64, block_k=64))
+    big = ExpertsConfig(32, GemmTiles(block_n=64, block_k=64), GemmTiles(block_n=64, block_k=64))
+    same = ExpertsConfig(16, GemmTiles(block_n=64, block_k=128), GemmTiles(block_n=64, block_k=64))
+    case = types.SimpleNamespace(num_tokens=512, small_source=small)
+    seen = {}
+
+    def fake_timed(case, cfg, log, sweep, est, small=None, num_valid=None):
+        seen[cfg.block_m] = small
+        return {32: 37.1, 16: 37.0}[cfg.block_m]
+
+    monkeypatch.setattr(tune, "_timed", fake_timed)
+    ordered = tune.prefer_fast_padded_step(case, [(1149.9, big), (1151.3, same)], [])
+    assert seen == {32: small, 16: None}
+    assert ordered[0] == (1151.3, same)
+    assert tune.padded_step_small(None, big) is None
+    assert tune.padded_step_small(types.SimpleNamespace(num_tokens=8, small_source=small), big) is None
+    assert tune.padded_step_small(types.SimpleNamespace(num_tokens=512, small_source=None), big) is None
+
+
 def test_wide_adds_candidates(monkeypatch):
     """--wide (through the environment, so precompile workers agree): a strict superset of each
     bucket's plan. Tiles past an SM's shared memory at some BLOCK_M fail to compile and the tuner
