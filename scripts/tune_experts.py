@@ -38,7 +38,8 @@ How it searches (per model shape and token bucket T):
    as `dependents_us`), else the incumbent stays. Where the bucket replays
    padded decode steps through its own launches (few-slot path compiled in, T*K > FEW_SLOTS), the
    distinct candidates within ONE_LAUNCH_TOLERANCE of the fastest full batch are also timed with
-   one valid row, and the fastest of those wins (`prefer_fast_padded_step`).
+   one valid row (a candidate with a larger BLOCK_M than the small-batch tiles together with those
+   tiles, as the call runs it), and the fastest of those wins (`prefer_fast_padded_step`).
 4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
