@@ -552,10 +552,18 @@ def padded_step_small(case: Case | None, cfg: ExpertsConfig) -> ExpertsConfig | 
     with `case.small_source` as the SMALL_BATCH_TOKENS config), or None."""
     from safemoe.kernels.experts import small_tiles_from
 
-    source = getattr(case, "small_source", None)
-    if case is None or source is None:
+    if case is None or case.small_source is None:
         return None
+    source = case.small_source
     return small_tiles_from(case.num_tokens, cfg, lambda: source)
+
+
+def small_batch_source(name: str, configs: dict[int, ExpertsConfig], device: torch.device) -> ExpertsConfig:
+    """The config a bucket takes its small-batch tiles from (`small_batch_config`'s source): the
+    SMALL_BATCH_TOKENS bucket's of `configs` (this run's winners) when there is one, else what the
+    device runs for that many tokens today (the table's nearest bucket or the heuristic)."""
+    mine = configs.get(token_bucket(SMALL_BATCH_TOKENS))
+    return mine if mine is not None else incumbent_config(name, SMALL_BATCH_TOKENS, None, device)
 
 
 def one_launch_plan(
@@ -1160,10 +1168,7 @@ def one_launch_targets(
 ) -> OneLaunchPlan:
     """The buckets of `configs` whose one_launch is timed (`one_launch_plan` with the device's
     config for SMALL_BATCH_TOKENS tokens as the fallback small config; only `buckets` when given)."""
-    from safemoe.configs import get_config
-
-    num_experts, top_k, hidden, inter = SHAPES[name]
-    fallback = get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, torch.bfloat16, device)
+    fallback = small_batch_source(name, {}, device)
     return {
         bucket: (configs[bucket], small)
         for bucket, small in one_launch_plan(configs, fallback).items()
@@ -1666,8 +1671,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             case = Case(name, w13, w2, num_tokens, fp8=fp8, incumbent=incumbents[name, num_tokens],
                         heuristic=heuristics[name, num_tokens], replace_margin=args.replace_margin)
-            case.small_source = tuned.get(token_bucket(SMALL_BATCH_TOKENS)) or incumbent_config(
-                name, SMALL_BATCH_TOKENS, args.quant, device)
+            case.small_source = small_batch_source(name, tuned, device)
             best = tune_case(case, log, deadline)
             if best is None:
                 continue
