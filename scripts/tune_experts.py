@@ -558,12 +558,14 @@ def padded_step_small(case: Case | None, cfg: ExpertsConfig) -> ExpertsConfig | 
     return small_tiles_from(case.num_tokens, cfg, lambda: source)
 
 
-def small_batch_source(name: str, configs: dict[int, ExpertsConfig], device: torch.device) -> ExpertsConfig:
+def small_batch_source(name: str, configs: dict[int, ExpertsConfig], device: torch.device,
+                       quant: str | None = None) -> ExpertsConfig:
     """The config a bucket takes its small-batch tiles from (`small_batch_config`'s source): the
     SMALL_BATCH_TOKENS bucket's of `configs` (this run's winners) when there is one, else what the
-    device runs for that many tokens today (the table's nearest bucket or the heuristic)."""
+    device runs for that many tokens today with weights of `quant` (the table's nearest bucket or
+    the heuristic)."""
     mine = configs.get(token_bucket(SMALL_BATCH_TOKENS))
-    return mine if mine is not None else incumbent_config(name, SMALL_BATCH_TOKENS, None, device)
+    return mine if mine is not None else incumbent_config(name, SMALL_BATCH_TOKENS, quant, device)
 
 
 def one_launch_plan(
@@ -1671,7 +1673,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             case = Case(name, w13, w2, num_tokens, fp8=fp8, incumbent=incumbents[name, num_tokens],
                         heuristic=heuristics[name, num_tokens], replace_margin=args.replace_margin)
-            case.small_source = small_batch_source(name, tuned, device)
+            case.small_source = small_batch_source(name, tuned, device, args.quant)
             best = tune_case(case, log, deadline)
             if best is None:
                 continue

@@ -98,6 +98,27 @@ def test_padded_step_candidates_run_with_their_small_tiles(monkeypatch):
     assert tune.padded_step_small(types.SimpleNamespace(num_tokens=512, small_source=None), big) is None
 
 
+def test_small_batch_source_reads_the_runs_quant(monkeypatch):
+    """The small-batch tiles' source: this run's SMALL_BATCH_TOKENS winner when there is one, else
+    the device's config for that many tokens with the run's weights (fp8 tunes read the fp8 key, as
+    `small_batch_config` does in the call)."""
+    tune = _load()
+    winner = ExpertsConfig(16, GemmTiles(block_n=32, block_k=64), GemmTiles(block_n=64, block_k=64))
+    asked = []
+
+    def fake_incumbent(name, num_tokens, quant, device):
+        asked.append((name, num_tokens, quant))
+        return winner
+
+    monkeypatch.setattr(tune, "incumbent_config", fake_incumbent)
+    cpu = tune.torch.device("cpu")
+    assert tune.small_batch_source("qwen3-30b-a3b", {}, cpu, "block") is winner
+    assert asked == [("qwen3-30b-a3b", tune.SMALL_BATCH_TOKENS, "block")]
+    mine = {tune.token_bucket(tune.SMALL_BATCH_TOKENS): winner}
+    assert tune.small_batch_source("qwen3-30b-a3b", mine, cpu, "block") is winner
+    assert len(asked) == 1
+
+
 def test_wide_adds_candidates(monkeypatch):
     """--wide (through the environment, so precompile workers agree): a strict superset of each
     bucket's plan. Tiles past an SM's shared memory at some BLOCK_M fail to compile and the tuner
