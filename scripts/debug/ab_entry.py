@@ -26,6 +26,7 @@ import safemoe
 from safemoe.bench.experts import SHAPES
 from safemoe.bench.harness import time_graph
 from safemoe.configs import ExpertsConfig, load_device_configs, shape_key
+from safemoe.fp8 import quantize_experts
 from safemoe.workspace import Workspace
 
 VARIANTS = 8
@@ -55,21 +56,27 @@ def stand_ins(prefix: str, num_tokens: int, input_sets: int, device: torch.devic
 
 
 def layer_step(prefix: str, num_tokens: int, num_valid: int,
-               device: torch.device) -> Callable[[int], torch.Tensor]:
+               device: torch.device, quant: str | None = None) -> Callable[[int], torch.Tensor]:
     """`safemoe.moe` of the bench shape `prefix` (seeded bf16 weights scaled by 1/sqrt of their
     reduction, VARIANTS seeded inputs and gate logits, num_valid as a device tensor, one
-    workspace) on input set j: the step both A/B scripts time under graph replay."""
+    workspace) on input set j: the step both A/B scripts time under graph replay. quant
+    ("per_tensor" / "block"): the weights quantised to fp8 (`safemoe.fp8.quantize_experts`)."""
     num_experts, top_k, hidden, inter, activation = shape_named(prefix)
     gen = torch.Generator(device=device).manual_seed(0)
     w13, w2, xs = stand_ins(prefix, num_tokens, VARIANTS, device, gen)
     logits = [torch.randn(num_tokens, num_experts, device=device, dtype=torch.bfloat16, generator=gen)
               for _ in range(VARIANTS)]  # fmt: skip
     nv = torch.tensor(num_valid, dtype=torch.int32, device=device)
-    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device)
+    scales: dict[str, torch.Tensor] = {}
+    if quant is not None:
+        w13, w2, w13_scale, w2_scale = quantize_experts(w13, w2, quant)
+        scales = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device,
+                   fp8=quant is not None)
 
     def step(j: int) -> torch.Tensor:
         return safemoe.moe(xs[j], logits[j], w13, w2, top_k, activation=activation, num_valid=nv,
-                           workspace=ws)
+                           workspace=ws, **scales)
 
     return step
 

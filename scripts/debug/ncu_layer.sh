@@ -2,20 +2,21 @@
 # Debug (issue 13): Nsight Compute on one layer step per case (scripts/debug/ncu_step.py): speed of
 # light, occupancy, launch stats, warp states and memory workload of the router, dispatch, GEMM
 # and combine kernels, run eagerly (ncu serialises kernels, so PDL overlap is not in these
-# durations). Full CSVs under $OUT/ncu_SHAPE_T.csv; a digest of the key metrics on stdout.
-#   OUT=/tmp/ncu bash scripts/debug/ncu_layer.sh "qwen3 8" "qwen3 256"
+# durations). Full CSVs under $OUT/ncu_SHAPE_T[_QUANT].csv; a digest of the key metrics on stdout.
+#   OUT=/tmp/ncu bash scripts/debug/ncu_layer.sh "qwen3 8" "qwen3 256" "qwen3 256 per_tensor"
 cd "$(dirname "$0")/../.."
 nvidia-smi --query-gpu=name --format=csv,noheader
 export PYTHONPATH=src:scripts/debug
 for c in "$@"; do
   set -- $c
-  echo "=== $1 T=$2"
-  timeout 200 ncu --nvtx --nvtx-include "profiled/" -k regex:"_gemm|_combine|_count|_router" \
+  echo "=== $1 T=$2 ${3:-bf16}"
+  name=ncu_$1_$2${3:+_$3}
+  timeout 200 ncu --nvtx --nvtx-include "profiled/" -k regex:"_gemm|_combine|_count|_router|_quantize" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis --csv --page details \
-    python3 scripts/debug/ncu_step.py $1 $2 > $OUT/ncu_$1_$2.csv 2> $OUT/ncu_$1_$2.err
-  echo rc=$?; tail -3 $OUT/ncu_$1_$2.err
-  python3 - $OUT/ncu_$1_$2.csv <<'PY'
+    python3 scripts/debug/ncu_step.py $1 $2 ${3:-} > $OUT/$name.csv 2> $OUT/$name.err
+  echo rc=$?; tail -3 $OUT/$name.err
+  python3 - $OUT/$name.csv <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 hdr = None
