@@ -301,6 +301,21 @@ WIDE_PREFILL_G2: list[Tiles] = [
 ]
 
 
+# fp8 weights in the decode and mid regimes: an e4m3 tile of the bf16 lists' shape moves half the
+# bytes a K step. H200 2026-11-27 (ncu, Qwen3 T = 64 / 256): the tuned fp8 GEMM1 (32 x 128 boxes, no
+# TMA) streams at 77% / 59% of the DRAM peak where the bf16 one (64 x 128 through TMA) reaches 89% /
+# 84%, and the seventh session's fp8 tune never timed a 64-column x 256-byte tile nor TMA on any
+# tile but the descent's best. These add the byte-equivalent tiles of the bf16 winners (block mode
+# keeps block_k <= 128 through for_quant, so wider N there), and with fp8 every GEMM candidate of
+# these regimes is timed with and without TMA.
+FP8_DECODE_G1: list[Tiles] = [
+    (64, 256, 4, 4), (64, 256, 4, 3), (32, 256, 4, 6), (32, 512, 4, 3), (128, 128, 4, 4), (64, 128, 4, 6),
+]
+FP8_DECODE_G2: list[Tiles] = [
+    (128, 256, 4, 3), (64, 256, 4, 4), (128, 128, 4, 6), (128, 256, 8, 3), (64, 512, 4, 3),
+]
+
+
 def _lists(regime: str) -> tuple[list[Tiles], list[Tiles]]:
     base = {"decode": (DECODE_G1, DECODE_G2), "mid": (MID_G1, MID_G2), "prefill": (PREFILL_G1, PREFILL_G2)}
     wide = {"decode": (WIDE_DECODE_G1, WIDE_DECODE_G2), "mid": (WIDE_MID_G1, WIDE_MID_G2),
@@ -325,14 +340,28 @@ def for_quant(tiles: list[Tiles], quant: str | None) -> list[Tiles]:
     return out
 
 
+def _fp8_extra(tiles: list[Tiles], extra: list[Tiles], quant: str | None, regime: str) -> list[Tiles]:
+    """FP8_DECODE_G* candidates not already in `tiles`, for fp8 weights in the decode and mid regimes."""
+    if quant is None or regime == "prefill":
+        return []
+    return [t for t in extra if t not in tiles]
+
+
+def fp8_tma_sweep(quant: str | None, block_m: int) -> tuple[bool, ...]:
+    """TMA settings every GEMM candidate is timed with: both for fp8 weights at decode and mid
+    BLOCK_M (<= 32; see FP8_DECODE_G1), else without (TMA then tried on the descent's best)."""
+    return (False, True) if quant is not None and block_m <= 32 else (False,)
+
+
 def regimes(num_tokens: int, num_experts: int, top_k: int,
             quant: str | None = None) -> list[tuple[int, list[Tiles], list[Tiles], int]]:
     """(block_m, GEMM1 candidates, GEMM2 candidates, group_m) worth trying at this T (for weights
     of `quant`: None, bf16 like x, or an fp8 mode)."""
     rows = token_bucket(num_tokens) * top_k / num_experts
     decode, mid, prefill = (
-        (for_quant(g1, quant), for_quant(g2, quant))
-        for g1, g2 in (_lists(regime) for regime in ("decode", "mid", "prefill"))
+        (for_quant(g1 + _fp8_extra(g1, FP8_DECODE_G1, quant, regime), quant),
+         for_quant(g2 + _fp8_extra(g2, FP8_DECODE_G2, quant, regime), quant))
+        for regime, (g1, g2) in ((r, _lists(r)) for r in ("decode", "mid", "prefill"))
     )
     if rows <= 8:
         return [(16, *decode, 1)]
@@ -976,22 +1005,27 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         trial(case.heuristic, "heuristic")
     for block_m, g1s, g2s, group_m in regimes(case.num_tokens, num_experts, top_k, case.quant):
         base2 = _tiles(g2s[0], group_m)
+        tmas = fp8_tma_sweep(case.quant, block_m)
         timed1 = [
-            (trial(ExpertsConfig(block_m, _tiles(t, group_m), base2, **flags), "gemm1"), t)
-            for t in g1s
+            (trial(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, **flags), "gemm1"), t, tma)
+            for t in g1s for tma in tmas
         ]
-        timed1 = [(us, t) for us, t in timed1 if us is not None]
+        timed1 = [(us, t, tma) for us, t, tma in timed1 if us is not None]
         if not timed1:
             continue
-        best1 = _tiles(min(timed1)[1], group_m)
-        timed2 = [(min(timed1)[0], g2s[0])]
-        for t in g2s[1:]:
-            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m), **flags), "gemm2")
+        best1 = _tiles(min(timed1)[1], group_m, min(timed1)[2])
+        timed2 = [(min(timed1)[0], g2s[0], False)]
+        for t, tma in ((t, tma) for t in g2s for tma in tmas):
+            if (t, tma) == (g2s[0], False):
+                continue
+            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m, tma), **flags), "gemm2")
             if us is not None:
-                timed2.append((us, t))
-        best2 = _tiles(min(timed2)[1], group_m)
+                timed2.append((us, t, tma))
+        best2 = _tiles(min(timed2)[1], group_m, min(timed2)[2])
         base = ExpertsConfig(block_m, best1, best2, **flags)
         base_us = min(timed2)[0]
+        if len(tmas) > 1:
+            continue  # every candidate was timed both ways
         tma1 = replace(base, gemm1=replace(best1, tma=True))
         tma2 = replace(base, gemm2=replace(best2, tma=True))
         us1, us2 = trial(tma1, "tma1"), trial(tma2, "tma2")

@@ -33,6 +33,28 @@ def test_candidate_plans_cover_every_shape_and_bucket():
             assert {c.gemm1.tma for c in plan} == {False, True}, f"{name} T={num_tokens}: TMA not searched"
 
 
+def test_fp8_decode_searches_byte_equivalent_tiles_and_tma_on_each():
+    """fp8 weights at decode: the bf16 winners' byte-equivalent tiles (64 columns x 256-wide K steps)
+    are candidates and every GEMM1 candidate is timed with and without TMA; block mode keeps K
+    steps inside one 128-wide scale group; bf16 candidates are unchanged."""
+    tune = _load()
+    bf16 = tune.regimes(64, 128, 8)
+    for quant in ("per_tensor", "block"):
+        (block_m, g1s, g2s, _), *_ = tune.regimes(64, 128, 8, quant)
+        assert block_m == 16 and tune.fp8_tma_sweep(quant, block_m) == (False, True)
+        assert set(bf16[0][1]) < set(g1s) or quant == "block"
+        if quant == "per_tensor":
+            assert (64, 256, 4, 4) in g1s and (128, 256, 4, 3) in g2s
+        else:
+            assert all(t[1] <= tune.FP8_BLOCK_K for t in g1s + g2s)
+            assert (128, 128, 4, 4) in g1s
+    assert tune.fp8_tma_sweep(None, 16) == (False,)
+    assert tune.fp8_tma_sweep("block", 128) == (False,)
+    assert tune.regimes(8192, 128, 8, "per_tensor") == [
+        (m, tune.for_quant(g1, "per_tensor"), tune.for_quant(g2, "per_tensor"), g)
+        for m, g1, g2, g in tune.regimes(8192, 128, 8)], "prefill lists are the bf16 ones"
+
+
 def test_block_m_128_is_searched_from_48_rows_per_expert():
     """Mixtral T = 256 (64 rows per expert): 64-row blocks split about half the experts in two, each
     block reading the expert's weights; 128-row blocks are a candidate there, not at 32 rows."""
@@ -777,7 +799,11 @@ def test_fp8_candidates_follow_the_weight_mode():
         per_tensor = tune.candidate_plan(num_tokens, 128, 8, "per_tensor")
         assert block and all(max(c.gemm1.block_k, c.gemm2.block_k) <= tune.FP8_BLOCK_K for c in block)
         assert not any(c.few for c in block + per_tensor), num_tokens
-        assert [replace_few(c) for c in per_tensor] == [replace_few(c) for c in bf16], num_tokens
+        # per-tensor: the bf16 candidates, and at decode / mid the fp8 byte-equivalent ones besides
+        # (FP8_DECODE_G1/G2, test above); prefill lists are the same
+        assert {repr(replace_few(c)) for c in bf16} <= {repr(replace_few(c)) for c in per_tensor}, num_tokens
+        if num_tokens == 8192:
+            assert [replace_few(c) for c in per_tensor] == [replace_few(c) for c in bf16], num_tokens
         assert {c.block_m for c in block} == {c.block_m for c in bf16}
     wide_k = [c for c in tune.candidate_plan(8, 128, 8) if c.gemm1.block_k > tune.FP8_BLOCK_K]
     assert wide_k, "the decode lists have 256-wide K steps that block mode must narrow"
