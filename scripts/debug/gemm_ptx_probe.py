@@ -22,6 +22,8 @@ from pathlib import Path
 PATTERNS = {
     "wgmma": r"wgmma\.mma_async",
     "mma.sync": r"\bmma\.sync",
+    "mma.e4m3": r"\bmma\.sync\S*e4m3",  # native fp8 MMA (sm_89+)
+    "cvt.e4m3": r"\bcvt\S*e4m3",  # fp8 <-> f16 conversions (an upcast before a 16-bit MMA)
     "tma": r"cp\.async\.bulk\.tensor",
     "cp.async": r"cp\.async\.(?:ca|cg)",
     "ld.global": r"ld\.global",
