@@ -347,10 +347,20 @@ def _fp8_extra(tiles: list[Tiles], extra: list[Tiles], quant: str | None, regime
     return [t for t in extra if t not in tiles]
 
 
-def fp8_tma_sweep(quant: str | None, block_m: int) -> tuple[bool, ...]:
-    """TMA settings every GEMM candidate is timed with: both for fp8 weights at decode and mid
-    BLOCK_M (<= 32; see FP8_DECODE_G1), else without (TMA then tried on the descent's best)."""
-    return (False, True) if quant is not None and block_m <= 32 else (False,)
+Variant = tuple[bool, bool]  # (tma, swap_ab)
+
+
+def fp8_variants(quant: str | None, block_m: int, tiles: Tiles) -> tuple[Variant, ...]:
+    """(tma, swap_ab) settings a GEMM candidate is timed with: for fp8 weights at decode and mid
+    BLOCK_M (<= 32) TMA both ways (see FP8_DECODE_G1) and, where the tile has 64+ columns (wgmma's
+    M), the swapped product both ways too (GemmTiles.swap_ab: native e4m3 wgmma instead of the
+    16-row tile's f16 mma.sync on converted operands; H200 2026-11-27, bare tile loop
+    `fp8_swap_ab_probe.py`: 4-13% faster on Qwen3's GEMMs); else plain only (TMA then tried on the
+    descent's best)."""
+    if quant is None or block_m > 32:
+        return ((False, False),)
+    swaps = (False, True) if tiles[0] >= 64 else (False,)
+    return tuple((tma, swap) for swap in swaps for tma in (False, True))
 
 
 def regimes(num_tokens: int, num_experts: int, top_k: int,
@@ -379,8 +389,9 @@ def regimes(num_tokens: int, num_experts: int, top_k: int,
     return [(128, *prefill, 8), (64, *prefill, 8)]
 
 
-def _tiles(t: Tiles, group_m: int, tma: bool = False) -> GemmTiles:
-    return GemmTiles(block_n=t[0], block_k=t[1], group_m=group_m, num_warps=t[2], num_stages=t[3], tma=tma)
+def _tiles(t: Tiles, group_m: int, tma: bool = False, swap_ab: bool = False) -> GemmTiles:
+    return GemmTiles(block_n=t[0], block_k=t[1], group_m=group_m, num_warps=t[2], num_stages=t[3], tma=tma,
+                     swap_ab=swap_ab)
 
 
 def _pdl(num_tokens: int) -> bool:
@@ -414,6 +425,14 @@ def candidate_plan(num_tokens: int, num_experts: int, top_k: int,
                 plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, **flags))
             for t in g2s:
                 plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma), **flags))
+        for t in g1s:  # the swapped products fp8 decode candidates are timed with
+            for tma, swap in fp8_variants(quant, block_m, t):
+                if swap:
+                    plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma, swap), base2, **flags))
+        for t in g2s:
+            for tma, swap in fp8_variants(quant, block_m, t):
+                if swap:
+                    plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma, swap), **flags))
     return plan
 
 
@@ -1005,27 +1024,26 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         trial(case.heuristic, "heuristic")
     for block_m, g1s, g2s, group_m in regimes(case.num_tokens, num_experts, top_k, case.quant):
         base2 = _tiles(g2s[0], group_m)
-        tmas = fp8_tma_sweep(case.quant, block_m)
         timed1 = [
-            (trial(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, **flags), "gemm1"), t, tma)
-            for t in g1s for tma in tmas
+            (trial(ExpertsConfig(block_m, _tiles(t, group_m, *v), base2, **flags), "gemm1"), t, v)
+            for t in g1s for v in fp8_variants(case.quant, block_m, t)
         ]
-        timed1 = [(us, t, tma) for us, t, tma in timed1 if us is not None]
+        timed1 = [(us, t, v) for us, t, v in timed1 if us is not None]
         if not timed1:
             continue
-        best1 = _tiles(min(timed1)[1], group_m, min(timed1)[2])
-        timed2 = [(min(timed1)[0], g2s[0], False)]
-        for t, tma in ((t, tma) for t in g2s for tma in tmas):
-            if (t, tma) == (g2s[0], False):
+        best1 = _tiles(min(timed1)[1], group_m, *min(timed1)[2])
+        timed2 = [(min(timed1)[0], g2s[0], (False, False))]
+        for t, v in [(t2, v2) for t2 in g2s for v2 in fp8_variants(case.quant, block_m, t2)]:
+            if (t, v) == (g2s[0], (False, False)):
                 continue
-            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m, tma), **flags), "gemm2")
+            us = trial(ExpertsConfig(block_m, best1, _tiles(t, group_m, *v), **flags), "gemm2")
             if us is not None:
-                timed2.append((us, t, tma))
-        best2 = _tiles(min(timed2)[1], group_m, min(timed2)[2])
+                timed2.append((us, t, v))
+        best2 = _tiles(min(timed2)[1], group_m, *min(timed2)[2])
         base = ExpertsConfig(block_m, best1, best2, **flags)
         base_us = min(timed2)[0]
-        if len(tmas) > 1:
-            continue  # every candidate was timed both ways
+        if case.quant is not None and block_m <= 32:
+            continue  # every candidate was timed with and without TMA
         tma1 = replace(base, gemm1=replace(best1, tma=True))
         tma2 = replace(base, gemm2=replace(best2, tma=True))
         us1, us2 = trial(tma1, "tma1"), trial(tma2, "tma2")

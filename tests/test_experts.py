@@ -283,6 +283,30 @@ def test_block_sizes_and_k_tails(block_m: int, tma: bool) -> None:
 
 
 @interpreter_only(INTERPRETER_ONLY)
+@pytest.mark.parametrize(("block_m", "tma"), [(16, False), (32, True)])
+def test_swapped_product_matches_the_reference(block_m: int, tma: bool) -> None:
+    """GemmTiles.swap_ab (each K step as W^T x^T into a transposed accumulator) on both GEMMs,
+    with a K tail and I not a multiple of BLOCK_N: the reference's result, padded rows exact zeros,
+    a NaN row in its row only. The small-batch tiles beside it stay unswapped."""
+    gen = torch.Generator().manual_seed(block_m)
+    num_tokens, num_experts, top_k, hidden, inter = 70, 4, 2, 80, 40
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    x[5] = math.nan
+    x[60:] = math.nan
+    weights, ids = _routing(num_tokens, top_k, num_experts, gen)
+    tiles = GemmTiles(block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, tma=tma, swap_ab=True)
+    out = _run(x, w13, w2, weights, ids, config=ExpertsConfig(block_m, tiles, tiles),
+               num_valid=NumValid(60, None), out=poisoned(x.shape, torch.float32))
+    expected = experts_reference(x, w13, w2, weights, ids, num_valid=NumValid(60, None))
+    rows = torch.ones(num_tokens, dtype=torch.bool)
+    rows[5] = False
+    assert_close(out[rows], expected[rows])
+    assert_equal(out[60:], torch.zeros_like(out[60:]))
+    assert bool(torch.isnan(out[5]).all())
+
+
+@interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("num_valid", [0, 1, 4, 5, 8, 9, 299])
 def test_small_batch_tiles_in_a_large_batch(num_valid: int) -> None:
     """num_valid <= 8 in a batch whose own tiles differ: the small-batch layout and GEMMs run (the
@@ -321,6 +345,14 @@ def test_experts_config_rejects_bad_fields() -> None:
     with pytest.raises(TypeError, match=r"gemm1\.interleave must be a bool, got int"):
         ExpertsConfig(16, GemmTiles(block_n=32, block_k=32, interleave=1), tiles)  # type: ignore[arg-type]
     assert ExpertsConfig.from_json(ExpertsConfig(16, tiles, tiles, one_launch=True).to_json()).one_launch
+    with pytest.raises(ValueError, match=r"gemm1\.swap_ab is for the Triton tile loop without interleave"):
+        ExpertsConfig(16, GemmTiles(block_n=32, block_k=32, interleave=True, swap_ab=True), tiles)
+    with pytest.raises(TypeError, match=r"gemm2\.swap_ab must be a bool, got int"):
+        ExpertsConfig(16, tiles, GemmTiles(block_n=32, block_k=32, swap_ab=1))  # type: ignore[arg-type]
+    # written to JSON only when set (tables written before the field stay as they were)
+    assert "swap_ab" not in ExpertsConfig(16, tiles, tiles).to_json()["gemm1"]
+    swapped = ExpertsConfig(16, tiles, GemmTiles(block_n=64, block_k=32, swap_ab=True))
+    assert ExpertsConfig.from_json(swapped.to_json()) == swapped
 
 
 def test_gemm2_engine_config_and_interpreter_fallback() -> None:

@@ -487,6 +487,43 @@ def test_interleaved_gate_up_tile_in_fp8_modes(device: str, mode: str, inter: in
     print(f"{mode} I={inter} BLOCK_N={block_n} tma={tma}: interleave bitwise the two accumulators: {bitwise}")
 
 
+@pytest.mark.memcheck
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("device", "block_m", "inter", "block_n", "gemm2_block_n", "tma"),
+                         by_device(cpu=[(16, 128, 32, 32, False), (32, 72, 64, 256, True)],
+                                   cuda=[(16, 256, 64, 128, False), (16, 256, 128, 128, True),
+                                         (32, 200, 64, 256, True)]))
+def test_swapped_product_in_fp8_modes(device: str, mode: str, block_m: int, inter: int, block_n: int,
+                                      gemm2_block_n: int, tma: bool) -> None:
+    """`swap_ab` (the decode tiles' product as W^T x^T, so Hopper's wgmma takes the fp8 operands
+    natively) in both modes: per-tensor, block with every tile in one weight block (QUANT 3), with
+    per-column scales (I = 72, 200: QUANT 2) and GEMM2's two 128-column halves (block_n 256:
+    QUANT 4). Matches the unswapped tiles and the reference, a NaN row stays in its row, padded
+    rows are exact zeros; the order of the sums may differ, so not bitwise."""
+    import dataclasses
+
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    hidden = 160 if device == "cpu" else 512
+    x, _, fp8w, weights, ids = _case(70, 4, 2, hidden, inter, mode, dtype, seed=block_n + inter,
+                                     device=device)
+    x[3] = math.nan
+    x[60:] = math.nan  # padding
+    on_cpu = device == "cpu"
+    cfg = _config(block_m, block_n, 32 if on_cpu else 128, tma, num_stages=1 if on_cpu else 3)
+    cfg = dataclasses.replace(cfg, gemm2=dataclasses.replace(cfg.gemm2, block_n=gemm2_block_n))
+    swapped = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, swap_ab=True),
+                                  gemm2=dataclasses.replace(cfg.gemm2, swap_ab=True))
+    plain = _run(x, fp8w, weights, ids, config=cfg, num_valid=60, out=poisoned(x.shape, dtype, device))
+    swap = _run(x, fp8w, weights, ids, config=swapped, num_valid=60, out=poisoned(x.shape, dtype, device))
+    assert_equal(swap[60:], torch.zeros_like(swap[60:]), "padded rows")
+    assert bool(torch.isnan(swap[3]).all()), "the NaN row"
+    rows = torch.ones(70, dtype=torch.bool, device=device)
+    rows[3] = False
+    rows[60:] = False
+    _assert_fp8_close(swap[rows], plain[rows], f"{mode}: swapped vs plain product")
+    _assert_fp8_close(swap[rows], _reference(x, fp8w, weights, ids, num_valid=60)[rows], f"{mode}: swapped")
+
+
 # ---------------------------------------------------------------------------------------------
 # row isolation, padding, the rest of the bf16 contract
 # ---------------------------------------------------------------------------------------------

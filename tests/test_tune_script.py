@@ -35,21 +35,31 @@ def test_candidate_plans_cover_every_shape_and_bucket():
 
 def test_fp8_decode_searches_byte_equivalent_tiles_and_tma_on_each():
     """fp8 weights at decode: the bf16 winners' byte-equivalent tiles (64 columns x 256-wide K steps)
-    are candidates and every GEMM1 candidate is timed with and without TMA; block mode keeps K
+    are candidates and every GEMM1 candidate is timed with and without TMA (and swapped, with 64+
+    columns); block mode keeps K
     steps inside one 128-wide scale group; bf16 candidates are unchanged."""
     tune = _load()
     bf16 = tune.regimes(64, 128, 8)
     for quant in ("per_tensor", "block"):
         (block_m, g1s, g2s, _), *_ = tune.regimes(64, 128, 8, quant)
-        assert block_m == 16 and tune.fp8_tma_sweep(quant, block_m) == (False, True)
+        assert block_m == 16 and tune.fp8_variants(quant, block_m, (32, 128, 4, 4)) == (
+            (False, False), (True, False))
+        # 64+ columns: the swapped product (wgmma's M side) both ways too, and precompiled
+        assert set(tune.fp8_variants(quant, block_m, (64, 128, 4, 4))) == {
+            (False, False), (True, False), (False, True), (True, True)}
+        plan = tune.candidate_plan(64, 128, 8, quant)
+        assert any(c.gemm1.swap_ab and c.gemm1.block_n >= 64 for c in plan)
+        assert any(c.gemm2.swap_ab for c in plan) and not any(c.gemm1.swap_ab and c.gemm1.block_n < 64
+                                                              for c in plan)
         assert set(bf16[0][1]) < set(g1s) or quant == "block"
         if quant == "per_tensor":
             assert (64, 256, 4, 4) in g1s and (128, 256, 4, 3) in g2s
         else:
             assert all(t[1] <= tune.FP8_BLOCK_K for t in g1s + g2s)
             assert (128, 128, 4, 4) in g1s
-    assert tune.fp8_tma_sweep(None, 16) == (False,)
-    assert tune.fp8_tma_sweep("block", 128) == (False,)
+    assert tune.fp8_variants(None, 16, (64, 128, 4, 4)) == ((False, False),)
+    assert tune.fp8_variants("block", 128, (64, 128, 4, 4)) == ((False, False),)
+    assert not any(c.gemm1.swap_ab or c.gemm2.swap_ab for c in tune.candidate_plan(64, 128, 8))
     assert tune.regimes(8192, 128, 8, "per_tensor") == [
         (m, tune.for_quant(g1, "per_tensor"), tune.for_quant(g2, "per_tensor"), g)
         for m, g1, g2, g in tune.regimes(8192, 128, 8)], "prefill lists are the bf16 ones"

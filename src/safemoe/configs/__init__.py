@@ -61,7 +61,11 @@ class GemmTiles:
     kernels/experts.py), or the warp-specialised Gluon kernel of kernels/experts_ws.py, "ws" (a
     TMA producer warp and two MMA warpgroups that store their tiles) or "ws_store" (a third
     partition stores them); it needs 8 warps and runs where the GPU is sm_90 and the data bf16 or
-    fp16, the Triton tiles elsewhere."""
+    fp16, the Triton tiles elsewhere. `swap_ab` (the Triton tile loop, main tiles; not with
+    interleave): each K step multiplies W^T x^T into a transposed accumulator, the weight columns
+    on the MMA's M side, so a 16- or 32-row decode tile with block_n >= 64 runs Hopper's wgmma;
+    for fp8 weights that is the native e4m3 MMA where the 16-row product converts both operands
+    to f16 first (kernels/experts.py, _mma)."""
 
     block_n: int
     block_k: int
@@ -71,6 +75,7 @@ class GemmTiles:
     tma: bool = False  # weight tiles through TMA descriptors (Hopper+; else pointer loads)
     interleave: bool = False  # GEMM1: gate and up rows as one tile, one MMA a K step
     engine: str = "triton"  # GEMM2: "triton", or the Gluon kernel "ws" / "ws_store"
+    swap_ab: bool = False  # the weights on the MMA's M side (decode tiles; Hopper wgmma)
 
 
 @dataclass(frozen=True)
@@ -113,10 +118,13 @@ class ExpertsConfig:
                 value = getattr(tiles, attr)
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"{name}.{attr} must be a power of two >= 16, got {value}")
-            for attr in ("tma", "interleave"):
+            for attr in ("tma", "interleave", "swap_ab"):
                 flag_value = getattr(tiles, attr)
                 if not isinstance(flag_value, bool):
                     raise TypeError(f"{name}.{attr} must be a bool, got {type(flag_value).__name__}")
+            if tiles.swap_ab and (tiles.interleave or tiles.engine != "triton"):
+                raise ValueError(f"{name}.swap_ab is for the Triton tile loop without interleave, got "
+                                 f"interleave={tiles.interleave}, engine={tiles.engine!r}")
         self._check_engines()
         for flag in ("one_launch", "few", "fused"):
             if not isinstance(getattr(self, flag), bool):
@@ -147,9 +155,11 @@ class ExpertsConfig:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("extra")
-        for name in ("gemm1", "gemm2"):  # tables written before the field stay as they were
+        for name in ("gemm1", "gemm2"):  # tables written before the fields stay as they were
             if data[name]["engine"] == "triton":
                 data[name].pop("engine")
+            if not data[name]["swap_ab"]:
+                data[name].pop("swap_ab")
         return data
 
     @staticmethod

@@ -149,16 +149,25 @@ def _group_scale(a_scale_rows_ptr, row_ok, k, BLOCK_K: tl.constexpr, QUANT: tl.c
 
 @triton.jit
 def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-         DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
+         DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """acc + a @ b. Block mode: the K step's product is scaled by its activation-group scale
     (rows) times its 128x128 weight-block scale (columns) before it is added, DeepSeek-V3's
     promotion of each 128-wide partial sum into the fp32 accumulator. QUANT 3 and 4 (block mode,
     every column of this product in one weight block): w_scale_rows_ptr is one pointer, the weight
     scale one number, and the promotion one multiply-add per element (a [BLOCK_M] scale vector)
     instead of an outer product of scales and a multiply before the add. ROWWISE (interpreter,
-    batch-invariant): the product is `rowwise_product` (see kernels/launch.py)."""
+    batch-invariant): the product is `rowwise_product` (see kernels/launch.py). SWAP_AB: acc is
+    the transposed accumulator [N, M] and the product is b^T a^T, the weights on the MMA's M side:
+    with a 16-row decode tile Triton then takes Hopper's wgmma, whose fp8 operands need no
+    conversion (its 16-row dot is mma.sync on f16 after converting every fp8 operand; measured in
+    scripts/debug/fp8_swap_ab_probe.py; the swap-AB trick of vLLM's and SGLang's small-M fp8 GEMMs)."""
     if QUANT >= 2:
         w_scale = tl.load(w_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK)
+        if SWAP_AB:
+            product_t = tl.dot(tl.trans(b), tl.trans(a))
+            if QUANT >= 3:
+                return acc + product_t * (a_scale * w_scale)[None, :]
+            return acc + product_t * (w_scale[:, None] * a_scale[None, :])
         if ROWWISE:
             product = rowwise_product(a, b)
         else:
@@ -168,6 +177,8 @@ def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: 
         return acc + product * (a_scale[:, None] * w_scale[None, :])
     elif ROWWISE:
         return acc + rowwise_product(a, b)
+    elif SWAP_AB:
+        return tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
@@ -261,14 +272,18 @@ def _k_step_weights(w_ptrs, ks, k, reduction, BLOCK_K: tl.constexpr, EVEN_K: tl.
 def _two_weight_tiles(
     a_ptrs, row_ok, a_scale_rows, w_arg, w0_ptrs, w1_ptrs, w0_row, w1_row, w0_scales, w1_scales, reduction,
     acc0, acc1, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     """(acc0 + A @ W0, acc1 + A @ W1) over the reduction: each K step's A tile (rows of row_ok,
     a_ptrs [BLOCK_M, BLOCK_K]) against two weight tiles, GEMM1's gate and up rows or the two
     128-column halves of a QUANT 4 GEMM2 tile. Weights through the descriptor w_arg at rows w0_row
     and w1_row (USE_TMA; w0_ptrs/w1_ptrs unused), else through the pointers w0_ptrs/w1_ptrs
-    [BLOCK_K, N] (w0_row/w1_row unused); w0_scales/w1_scales are _mma's weight-scale pointers."""
+    [BLOCK_K, N] (w0_row/w1_row unused); w0_scales/w1_scales are _mma's weight-scale pointers.
+    SWAP_AB: the K loop accumulates the transposes (see _mma), turned back once after it."""
     ks = tl.arange(0, BLOCK_K)
+    if SWAP_AB:
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
     for k in range(0, tl.cdiv(reduction, BLOCK_K)):
         a = _k_step_rows(a_ptrs, row_ok, ks, k, reduction, BLOCK_K, EVEN_K)
         if USE_TMA:
@@ -281,12 +296,15 @@ def _two_weight_tiles(
         a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
         b0 = _operand(b0, UPCAST)
         b1 = _operand(b1, UPCAST)
-        acc0 = _mma(acc0, a, b0, a_scale, w0_scales, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
-        acc1 = _mma(acc1, a, b1, a_scale, w1_scales, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+        acc0 = _mma(acc0, a, b0, a_scale, w0_scales, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE, SWAP_AB)
+        acc1 = _mma(acc1, a, b1, a_scale, w1_scales, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE, SWAP_AB)
         a_ptrs += BLOCK_K
         if not USE_TMA:
             w0_ptrs += BLOCK_K
             w1_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
     return acc0, acc1
 
 
@@ -298,7 +316,7 @@ def _gemm1_tile(
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
-    INTERLEAVE: tl.constexpr = False,
+    INTERLEAVE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     """One GEMM1 tile: intermediate rows `rows` (columns of N-block n_block) from the x rows of
     `slots` (-1: a masked row, neither loaded nor stored) and expert `expert`'s w13 (arguments as
@@ -359,13 +377,13 @@ def _gemm1_tile(
         acc_gate, acc_up = _two_weight_tiles(
             a_ptrs, row_ok, x_scale_rows, w13_arg, 0, 0, gate_row, gate_row + inter, gate_scale_rows,
             up_scale_rows, hidden, acc_gate, acc_up, QUANT, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, True,
-            ROWWISE)
+            ROWWISE, SWAP_AB)
     else:
         gate_ptrs = w13_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * hidden + ks[:, None]
         acc_gate, acc_up = _two_weight_tiles(
             a_ptrs, row_ok, x_scale_rows, w13_arg, gate_ptrs, gate_ptrs + up_offset, 0, 0, gate_scale_rows,
             up_scale_rows, hidden, acc_gate, acc_up, QUANT, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, False,
-            ROWWISE)
+            ROWWISE, SWAP_AB)
     acc_gate = _dequantize(acc_gate, x_scale_rows, row_ok, w_scales, QUANT)
     acc_up = _dequantize(acc_up, x_scale_rows, row_ok, w_scales + up_scale_offset, QUANT)
     h = _activation(acc_gate, acc_up, ACTIVATION)
@@ -381,7 +399,7 @@ def _gemm1_tiles(
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
-    INTERLEAVE: tl.constexpr = False,
+    INTERLEAVE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     """GEMM1's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows of the dispatch
     layout with one set of tiles."""
@@ -392,7 +410,7 @@ def _gemm1_tiles(
         _gemm1_tile(x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
                     hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
                     w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE)
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB)
 
 
 @triton.jit
@@ -430,9 +448,10 @@ def _gemm1_layout_tiles(
     SMALL_BLOCK_M: tl.constexpr, SMALL_BLOCK_N: tl.constexpr, SMALL_BLOCK_K: tl.constexpr,
     SMALL_GROUP_M: tl.constexpr, SMALL_EVEN_K: tl.constexpr, SMALL_USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """GEMM1 over the dispatch layout: the main tiles, or (HAS_SMALL) the small-batch ones when
-    dispatch built their layout (INTERLEAVE: the main tiles')."""
+    dispatch built their layout (INTERLEAVE, SWAP_AB: the main tiles')."""
     num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
     if HAS_SMALL:
         # Dispatch built one of the two layouts (its block_end is the one in block_end_ptr) and set
@@ -449,13 +468,13 @@ def _gemm1_layout_tiles(
                          w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
                          w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                          TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                         DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE)
+                         DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB)
     else:
         _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
                      w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
                      w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                      TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                     DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE)
+                     DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB)
 
 
 @triton.jit
@@ -504,6 +523,7 @@ def _gemm1_kernel(
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     INTERLEAVE: tl.constexpr,  # one [BLOCK_K, 2 BLOCK_N] gate/up weight tile per K step (_gemm1_tile)
+    SWAP_AB: tl.constexpr,  # the weights on the MMA's M side (_mma)
     # tunable: small-batch tiles (layout 1), used when HAS_SMALL and num_blocks[1] > 0
     HAS_SMALL: tl.constexpr,
     SMALL_BLOCK_M: tl.constexpr,
@@ -543,7 +563,7 @@ def _gemm1_kernel(
                                 w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION,
                                 NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA,
                                 HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
-                                SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE, INTERLEAVE)
+                                SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE, INTERLEAVE, SWAP_AB)
     else:
         _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr,
                             x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride,
@@ -551,7 +571,7 @@ def _gemm1_kernel(
                             up_scale_row, up_scale_offset, TOP_K, ACTIVATION, NUM_BINS, QUANT, UPCAST,
                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M,
                             SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA,
-                            DOT_PRECISION, ROWWISE, INTERLEAVE)
+                            DOT_PRECISION, ROWWISE, INTERLEAVE, SWAP_AB)
 
 
 @triton.jit
@@ -560,11 +580,11 @@ def _gemm2_tile(
     y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
     QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     """One GEMM2 tile: y rows of `slots` (columns of N-block n_block, each scaled by its slot's
     routing weight) from the intermediate rows `rows` and expert `expert`'s w2 (arguments as in
-    _gemm2_kernel)."""
+    _gemm2_kernel). SWAP_AB: the K loop accumulates the transpose (see _mma)."""
     row_ok = slots >= 0
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = (cols % hidden).to(tl.int64)
@@ -578,14 +598,17 @@ def _gemm2_tile(
         w_scale_rows = w_scales + ((n_block * BLOCK_N) // SCALE_BLOCK) * w_scale_row_stride
     else:  # QUANT 2: each output column's row of block scales
         w_scale_rows = w_scales + (w_cols // SCALE_BLOCK) * w_scale_row_stride
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         w_row = expert * hidden + n_block * BLOCK_N
         for k in range(0, tl.cdiv(inter, BLOCK_K)):
             a = _operand(_k_step_rows(a_ptrs, row_ok, ks, k, inter, BLOCK_K, EVEN_K), UPCAST)
             b = _operand(w2_arg.load([w_row, k * BLOCK_K]), UPCAST)
             a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
-            acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+            acc = _mma(acc, a, b.T, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE, SWAP_AB)
             a_ptrs += BLOCK_K
     else:
         b_ptrs = w2_arg + expert.to(tl.int64) * expert_stride + w_cols[None, :] * inter + ks[:, None]
@@ -593,9 +616,11 @@ def _gemm2_tile(
             a = _operand(_k_step_rows(a_ptrs, row_ok, ks, k, inter, BLOCK_K, EVEN_K), UPCAST)
             b = _operand(_k_step_weights(b_ptrs, ks, k, inter, BLOCK_K, EVEN_K), UPCAST)
             a_scale = _group_scale(a_scale_rows, row_ok, k, BLOCK_K, QUANT)
-            acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE)
+            acc = _mma(acc, a, b, a_scale, w_scale_rows, k, BLOCK_K, QUANT, DOT_PRECISION, ROWWISE, SWAP_AB)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     acc = _dequantize(acc, a_scale_rows, row_ok, w_scales, QUANT)
     safe_slots = tl.where(row_ok, slots, 0)
     weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
@@ -610,6 +635,7 @@ def _gemm2_halves_tile(
     y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """QUANT 4 (fp8 block mode, BLOCK_N = 256): one GEMM2 tile as two 128-column halves sharing
     each K step's A tile, each half one 128-row block of w2 with one weight scale, promoted with
@@ -632,14 +658,14 @@ def _gemm2_halves_tile(
         w_row = expert * hidden + n_block * BLOCK_N
         acc_lo, acc_hi = _two_weight_tiles(
             a_ptrs, row_ok, a_scale_rows, w2_arg, 0, 0, w_row, w_row + SCALE_BLOCK, lo_scales, hi_scales,
-            inter, acc_lo, acc_hi, 4, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, True, ROWWISE)
+            inter, acc_lo, acc_hi, 4, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, True, ROWWISE, SWAP_AB)
     else:
         # Columns past H wrap onto valid rows of w2 (loads need no mask); they are never stored.
         w_expert = w2_arg + expert.to(tl.int64) * expert_stride + ks[:, None]
         acc_lo, acc_hi = _two_weight_tiles(
             a_ptrs, row_ok, a_scale_rows, w2_arg, w_expert + (lo_cols % hidden).to(tl.int64)[None, :] * inter,
             w_expert + (hi_cols % hidden).to(tl.int64)[None, :] * inter, 0, 0, lo_scales, hi_scales,
-            inter, acc_lo, acc_hi, 4, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, False, ROWWISE)
+            inter, acc_lo, acc_hi, 4, UPCAST, BLOCK_K, EVEN_K, DOT_PRECISION, False, ROWWISE, SWAP_AB)
     safe_slots = tl.where(row_ok, slots, 0)
     weight = tl.load(weights_ptr + safe_slots, mask=row_ok, other=0.0)
     out_rows = y_ptr + safe_slots.to(tl.int64)[:, None] * hidden
@@ -655,7 +681,7 @@ def _gemm2_tiles(
     y_ptr, hidden, inter, expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
     QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
+    USE_TMA: tl.constexpr, ROWWISE: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     """GEMM2's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows of the dispatch
     layout with one set of tiles."""
@@ -667,12 +693,12 @@ def _gemm2_tiles(
             _gemm2_halves_tile(inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr,
                                w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
                                w_scale_expert_stride, w_scale_row_stride, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-                               EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+                               EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, SWAP_AB)
         else:
             _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, expert, rows, slots, inter_scale_ptr,
                         w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
                         w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-                        EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+                        EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, SWAP_AB)
 
 
 @triton.jit
@@ -704,6 +730,7 @@ def _gemm2_layout_tiles(
     USE_TMA: tl.constexpr, HAS_SMALL: tl.constexpr, SMALL_BLOCK_M: tl.constexpr, SMALL_BLOCK_N: tl.constexpr,
     SMALL_BLOCK_K: tl.constexpr, SMALL_GROUP_M: tl.constexpr, SMALL_EVEN_K: tl.constexpr,
     SMALL_USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """GEMM2 over the dispatch layout, main or small-batch tiles as in _gemm1_layout_tiles."""
     num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
@@ -719,12 +746,12 @@ def _gemm2_layout_tiles(
             _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
                          inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride,
                          inter_scale_stride, w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, SWAP_AB)
     else:
         _gemm2_tiles(inter_ptr, w2_arg, weights_ptr, sorted_slots_ptr, num_m_blocks, block_end,
                      inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, expert_stride, inter_scale_stride,
                      w_scale_expert_stride, w_scale_row_stride, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
+                     GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, SWAP_AB)
 
 
 @triton.jit
@@ -765,6 +792,7 @@ def _gemm2_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # the weights on the MMA's M side (_mma)
     # tunable: small-batch tiles (layout 1), used when HAS_SMALL and num_blocks[1] > 0
     HAS_SMALL: tl.constexpr,
     SMALL_BLOCK_M: tl.constexpr,
@@ -802,14 +830,14 @@ def _gemm2_kernel(
                                 w_scale_row_stride, NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
                                 GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N,
                                 SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION,
-    ROWWISE)
+                                ROWWISE, SWAP_AB)
     else:
         _gemm2_layout_tiles(inter_ptr, w2_arg, w2_small_arg, weights_ptr, sorted_slots_ptr, block_end_ptr,
                             num_blocks_ptr, inter_scale_ptr, w2_scale_ptr, y_ptr, hidden, inter, num_experts,
                             expert_stride, inter_scale_stride, w_scale_expert_stride, w_scale_row_stride,
                             NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA,
                             HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
-                            SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE)
+                            SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE, SWAP_AB)
 
 
 @triton.jit
@@ -1122,7 +1150,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         **strides,
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], NUM_BINS=num_bins(num_experts),
         QUANT=quant, UPCAST=_upcast(a.dtype), **meta,
-        INTERLEAVE=interleave,
+        INTERLEAVE=interleave, SWAP_AB=tiles.swap_ab and not interleave and not rowwise,
         HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
         HAS_HEALTH=health is not None,
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
@@ -1162,6 +1190,7 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
         TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=quant, UPCAST=_upcast(a.dtype),
+        SWAP_AB=tiles.swap_ab and not rowwise,
         **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
