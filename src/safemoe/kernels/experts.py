@@ -161,26 +161,33 @@ def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: 
     with a 16-row decode tile Triton then takes Hopper's wgmma, whose fp8 operands need no
     conversion (its 16-row dot is mma.sync on f16 after converting every fp8 operand; measured in
     scripts/debug/fp8_swap_ab_probe.py; the swap-AB trick of vLLM's and SGLang's small-M fp8 GEMMs)."""
+    # One return at the end: a return inside a constexpr branch with more statements after it is
+    # not where code generation stops (Triton 3.9 for sm_90 compiles the statements after it too).
     if QUANT >= 2:
         w_scale = tl.load(w_scale_rows_ptr + (k * BLOCK_K) // SCALE_BLOCK)
         if SWAP_AB:
-            product_t = tl.dot(tl.trans(b), tl.trans(a))
+            product = tl.dot(tl.trans(b), tl.trans(a))
             if QUANT >= 3:
-                return acc + product_t * (a_scale * w_scale)[None, :]
-            return acc + product_t * (w_scale[:, None] * a_scale[None, :])
-        if ROWWISE:
-            product = rowwise_product(a, b)
+                scale = (a_scale * w_scale)[None, :]
+            else:
+                scale = w_scale[:, None] * a_scale[None, :]
         else:
-            product = tl.dot(a, b)
-        if QUANT >= 3:
-            return acc + product * (a_scale * w_scale)[:, None]
-        return acc + product * (a_scale[:, None] * w_scale[None, :])
+            if ROWWISE:
+                product = rowwise_product(a, b)
+            else:
+                product = tl.dot(a, b)
+            if QUANT >= 3:
+                scale = (a_scale * w_scale)[:, None]
+            else:
+                scale = a_scale[:, None] * w_scale[None, :]
+        result = acc + product * scale
     elif ROWWISE:
-        return acc + rowwise_product(a, b)
+        result = acc + rowwise_product(a, b)
     elif SWAP_AB:
-        return tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=DOT_PRECISION)
+        result = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        result = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return result
 
 
 @triton.jit
