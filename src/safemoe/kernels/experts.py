@@ -160,7 +160,7 @@ def _mma(acc, a, b, a_scale, w_scale_rows_ptr, k, BLOCK_K: tl.constexpr, QUANT: 
     the transposed accumulator [N, M] and the product is b^T a^T, the weights on the MMA's M side:
     with a 16-row decode tile Triton then takes Hopper's wgmma, whose fp8 operands need no
     conversion (its 16-row dot is mma.sync on f16 after converting every fp8 operand; measured in
-    scripts/debug/fp8_swap_ab_probe.py; the swap-AB trick of vLLM's and SGLang's small-M fp8 GEMMs)."""
+    scripts/debug/fp8_swap_ab_probe.py; the swap-AB lever issue 13 lists from the peers' small-M GEMMs)."""
     # One return at the end: a return inside a constexpr branch with more statements after it is
     # not where code generation stops (Triton 3.9 for sm_90 compiles the statements after it too).
     if QUANT >= 2:
