@@ -449,6 +449,23 @@ def test_block_one_scale_per_tile_is_the_per_column_promotion(device: str, inter
     _assert_fp8_close(one_scale[finite], _reference(x, fp8w, weights, ids)[finite], "QUANT 3")
 
 
+def _variant_against_plain(x, fp8w, weights, ids, cfg: ExpertsConfig, variant: ExpertsConfig, what: str):
+    """`variant`'s tiles against `cfg`'s on 70 rows of which 60 are valid, x[3] NaN: padded rows
+    exact zeros, the NaN row all NaN, the other rows close to `cfg`'s and to the reference.
+    Returns (variant output, cfg output, the rows compared)."""
+    dtype, device = x.dtype, x.device
+    plain = _run(x, fp8w, weights, ids, config=cfg, num_valid=60, out=poisoned(x.shape, dtype, device))
+    other = _run(x, fp8w, weights, ids, config=variant, num_valid=60, out=poisoned(x.shape, dtype, device))
+    assert_equal(other[60:], torch.zeros_like(other[60:]), "padded rows")
+    assert bool(torch.isnan(other[3]).all()), "the NaN row"
+    rows = torch.ones(70, dtype=torch.bool, device=device)
+    rows[3] = False
+    rows[60:] = False
+    _assert_fp8_close(other[rows], plain[rows], f"{what} vs the plain tiles")
+    _assert_fp8_close(other[rows], _reference(x, fp8w, weights, ids, num_valid=60)[rows], what)
+    return other, plain, rows
+
+
 @pytest.mark.memcheck
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("device", "inter", "block_n", "tma"),
@@ -471,15 +488,7 @@ def test_interleaved_gate_up_tile_in_fp8_modes(device: str, mode: str, inter: in
     x[60:] = math.nan  # padding
     cfg = _config(32, block_n, 32 if device == "cpu" else 128, tma, num_stages=1 if device == "cpu" else 3)
     interleaved = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, interleave=True))
-    two = _run(x, fp8w, weights, ids, config=cfg, num_valid=60, out=poisoned(x.shape, dtype, device))
-    one = _run(x, fp8w, weights, ids, config=interleaved, num_valid=60, out=poisoned(x.shape, dtype, device))
-    assert_equal(one[60:], torch.zeros_like(one[60:]), "padded rows")
-    assert bool(torch.isnan(one[3]).all()), "the NaN row"
-    rows = torch.ones(70, dtype=torch.bool, device=device)
-    rows[3] = False
-    rows[60:] = False
-    _assert_fp8_close(one[rows], two[rows], f"{mode}: interleave vs two accumulators")
-    _assert_fp8_close(one[rows], _reference(x, fp8w, weights, ids, num_valid=60)[rows], f"{mode}: interleave")
+    one, two, rows = _variant_against_plain(x, fp8w, weights, ids, cfg, interleaved, f"{mode}: interleave")
     bitwise = bool(torch.equal(one[rows], two[rows]))
     if mode == "block":
         assert bitwise, "block mode ignores interleave"
@@ -513,15 +522,7 @@ def test_swapped_product_in_fp8_modes(device: str, mode: str, block_m: int, inte
     cfg = dataclasses.replace(cfg, gemm2=dataclasses.replace(cfg.gemm2, block_n=gemm2_block_n))
     swapped = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, swap_ab=True),
                                   gemm2=dataclasses.replace(cfg.gemm2, swap_ab=True))
-    plain = _run(x, fp8w, weights, ids, config=cfg, num_valid=60, out=poisoned(x.shape, dtype, device))
-    swap = _run(x, fp8w, weights, ids, config=swapped, num_valid=60, out=poisoned(x.shape, dtype, device))
-    assert_equal(swap[60:], torch.zeros_like(swap[60:]), "padded rows")
-    assert bool(torch.isnan(swap[3]).all()), "the NaN row"
-    rows = torch.ones(70, dtype=torch.bool, device=device)
-    rows[3] = False
-    rows[60:] = False
-    _assert_fp8_close(swap[rows], plain[rows], f"{mode}: swapped vs plain product")
-    _assert_fp8_close(swap[rows], _reference(x, fp8w, weights, ids, num_valid=60)[rows], f"{mode}: swapped")
+    _variant_against_plain(x, fp8w, weights, ids, cfg, swapped, f"{mode}: swapped product")
 
 
 # ---------------------------------------------------------------------------------------------
