@@ -350,14 +350,19 @@ def _fp8_extra(tiles: list[Tiles], extra: list[Tiles], quant: str | None, regime
 Variant = tuple[bool, bool]  # (tma, swap_ab)
 
 
+def fp8_per_candidate(quant: str | None, block_m: int) -> bool:
+    """Whether every GEMM candidate is timed in its (tma, swap_ab) variants (fp8 weights at decode
+    and mid BLOCK_M, <= 32), rather than TMA tried on the descent's best alone."""
+    return quant is not None and block_m <= 32
+
+
 def fp8_variants(quant: str | None, block_m: int, tiles: Tiles) -> tuple[Variant, ...]:
-    """(tma, swap_ab) settings a GEMM candidate is timed with: for fp8 weights at decode and mid
-    BLOCK_M (<= 32) TMA both ways (see FP8_DECODE_G1) and, where the tile has 64+ columns (wgmma's
-    M), the swapped product both ways too (GemmTiles.swap_ab: native e4m3 wgmma instead of the
-    16-row tile's f16 mma.sync on converted operands; H200 2026-11-27, bare tile loop
-    `fp8_swap_ab_probe.py`: 4-13% faster on Qwen3's GEMMs); else plain only (TMA then tried on the
-    descent's best)."""
-    if quant is None or block_m > 32:
+    """(tma, swap_ab) settings a GEMM candidate is timed with: where `fp8_per_candidate`, TMA both
+    ways (see FP8_DECODE_G1) and, where the tile has 64+ columns (wgmma's M), the swapped product
+    both ways too (GemmTiles.swap_ab: native e4m3 wgmma instead of the 16-row tile's f16 mma.sync on
+    converted operands; H200 2026-11-27, bare tile loop `fp8_swap_ab_probe.py`: 4-13% faster on
+    Qwen3's GEMMs); else plain only."""
+    if not fp8_per_candidate(quant, block_m):
         return ((False, False),)
     swaps = (False, True) if tiles[0] >= 64 else (False,)
     return tuple((tma, swap) for swap in swaps for tma in (False, True))
@@ -420,20 +425,17 @@ def candidate_plan(num_tokens: int, num_experts: int, top_k: int,
     flags: dict[str, Any] = {"pdl": _pdl(num_tokens), "few": _few(num_tokens, quant), "fused": fused}
     for block_m, g1s, g2s, group_m in regimes(num_tokens, num_experts, top_k, quant):
         base1, base2 = _tiles(g1s[0], group_m), _tiles(g2s[0], group_m)
-        for tma in (False, True):
-            for t in g1s:
-                plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma), base2, **flags))
-            for t in g2s:
-                plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma), **flags))
-        for t in g1s:  # the swapped products fp8 decode candidates are timed with
-            for tma, swap in fp8_variants(quant, block_m, t):
-                if swap:
-                    plan.append(ExpertsConfig(block_m, _tiles(t, group_m, tma, swap), base2, **flags))
-        for t in g2s:
-            for tma, swap in fp8_variants(quant, block_m, t):
-                if swap:
-                    plan.append(ExpertsConfig(block_m, base1, _tiles(t, group_m, tma, swap), **flags))
+        plan += [ExpertsConfig(block_m, _tiles(t, group_m, *v), base2, **flags)
+                 for t in g1s for v in _plan_variants(quant, block_m, t)]
+        plan += [ExpertsConfig(block_m, base1, _tiles(t, group_m, *v), **flags)
+                 for t in g2s for v in _plan_variants(quant, block_m, t)]
     return plan
+
+
+def _plan_variants(quant: str | None, block_m: int, tiles: Tiles) -> list[Variant]:
+    """What candidate_plan compiles a tile in: with and without TMA always (the descent may try
+    either), and the swapped variants the fp8 search times (`fp8_variants`)."""
+    return [(False, False), (True, False)] + [v for v in fp8_variants(quant, block_m, tiles) if v[1]]
 
 
 def choose_one_launch(
@@ -1042,7 +1044,7 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         best2 = _tiles(min(timed2)[1], group_m, *min(timed2)[2])
         base = ExpertsConfig(block_m, best1, best2, **flags)
         base_us = min(timed2)[0]
-        if case.quant is not None and block_m <= 32:
+        if fp8_per_candidate(case.quant, block_m):
             continue  # every candidate was timed with and without TMA
         tma1 = replace(base, gemm1=replace(best1, tma=True))
         tma2 = replace(base, gemm2=replace(best2, tma=True))

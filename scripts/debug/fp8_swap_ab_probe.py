@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from safemoe.bench.harness import time_graph
+
 
 @triton.jit
 def _tiles_kernel(x_ptr, w_ptr, out_ptr, num_experts, N: tl.constexpr, K: tl.constexpr,
@@ -54,24 +56,6 @@ def _tiles_kernel(x_ptr, w_ptr, out_ptr, num_experts, N: tl.constexpr, K: tl.con
         o_rows = (expert * BLOCK_M + rows).to(tl.int64)
         o_ptrs = out_ptr + o_rows[:, None] * N + n_block * BLOCK_N + cols[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
-
-
-def _graph_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -108,7 +92,7 @@ def main() -> None:
 
             try:
                 compiled = run()
-                us = _graph_us(run)
+                us = time_graph(lambda _: run())
             except Exception as exc:  # a variant that does not compile is reported, not fatal
                 print(f"{label:22s} failed: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
