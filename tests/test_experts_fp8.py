@@ -300,6 +300,11 @@ def test_quantize_groups_reference_rules() -> None:
     assert bool(deq[2, :2].isnan().all()) and bool(torch.isfinite(deq[2, 2:]).all())
     assert bool(deq[3, 2:].isnan().all()) and bool(torch.isfinite(deq[3, :2]).all())
     assert torch.allclose(deq[0], t[0], rtol=2**-4)
+    # q = value * (448 / amax) with the correctly rounded quotient (448 / 192 rounds down): 72 maps
+    # to the tie 168.0, which rounds to the even code 160; `448 / tensor` in torch multiplies by a
+    # reciprocal instead, one ulp high, and 72 would map past the tie to 176
+    q, _ = quantize_groups_reference(torch.tensor([[192.0, 72.0]]), 2)
+    assert float(q[0, 1]) == 160.0 and float(q[0, 0]) == 448.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,11 +5,12 @@ is `safemoe.moe` as `ab_entry.layer_step` builds it (bench shape, seeded weights
 logits, num_valid as a device tensor, one workspace), timed under CUDA-graph replay.
 
     PYTHONPATH=src:scripts/debug python scripts/debug/tree_ab.py LABEL qwen3:1 qwen3:1024:1 ... [--json F]
-        [--save F.pt]
+        [--save F.pt] [--quant block|per_tensor]
 
 Prints one line per case and, with --json, appends {label, case: us} to F; with --save, writes
 each case's output on its first input set to F.pt, so two trees' outputs can be compared bit for
-bit (`safemoe.moe` is deterministic run to run). A measurement script, not a test.
+bit (`safemoe.moe` is deterministic run to run); --quant: every case with fp8 weights of that mode.
+A measurement script, not a test.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="+", help="SHAPE:T[:NUM_VALID]")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--save", type=Path)
+    parser.add_argument("--quant", choices=("block", "per_tensor"))
     args = parser.parse_args()
     device = torch.device("cuda")
     result: dict[str, object] = {"label": args.label}
@@ -37,7 +39,7 @@ def main() -> None:
     for case in args.cases:
         shape, tokens, *valid = case.split(":")
         num_tokens = int(tokens)
-        step = layer_step(shape, num_tokens, int(valid[0]) if valid else num_tokens, device)
+        step = layer_step(shape, num_tokens, int(valid[0]) if valid else num_tokens, device, args.quant)
         if args.save:
             outputs[case] = step(0).cpu()
         us = time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20)

@@ -227,7 +227,9 @@ def quantize_groups_reference(t: torch.Tensor, group: int) -> tuple[torch.Tensor
     float32 [R, ceil(C / group)]); dequantised = q * scale.
 
     Per group, in fp32: scale = max(amax, FP8_AMAX_FLOOR) / 448 with amax the largest |value|;
-    q = round_to_nearest_even(clamp(value / scale, -448, 448)) (IEEE division). A group holding
+    q = round_to_nearest_even(clamp(value * (448 / max(amax, FP8_AMAX_FLOOR)), -448, 448)): one
+    IEEE division a group, then a multiply per value (DeepGEMM's and SGLang's activation casts
+    scale by the reciprocal the same way; a division per value made the kernel issue-bound). A group holding
     any NaN or +-Inf gets scale NaN and q = 0: it dequantises to all NaN, so a non-finite input
     poisons exactly its own group (hence its own row's outputs) and nothing else. Each group's
     scale depends only on that group's values.
@@ -242,7 +244,11 @@ def quantize_groups_reference(t: torch.Tensor, group: int) -> tuple[torch.Tensor
     bad = ~finite.all(dim=-1)  # [R, G]
     amax = torch.where(finite, v.abs(), 0.0).amax(dim=-1)
     scale = amax.clamp(min=FP8_AMAX_FLOOR) / FP8_MAX
-    q = (torch.where(finite, v, 0.0) / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    # a tensor divided by a tensor: `FP8_MAX / t` runs as t.reciprocal() * FP8_MAX, which is not
+    # the correctly rounded quotient (448 / 192 comes out one ulp high)
+    floored = amax.clamp(min=FP8_AMAX_FLOOR)
+    multiplier = torch.full_like(floored, FP8_MAX) / floored
+    q = (torch.where(finite, v, 0.0) * multiplier[..., None]).clamp(-FP8_MAX, FP8_MAX)
     q = torch.where(bad[..., None], 0.0, q).to(FP8_DTYPE)
     scale = torch.where(bad, math.nan, scale)
     return q.view(rows, -1)[:, :cols].contiguous(), scale.contiguous()

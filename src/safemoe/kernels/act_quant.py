@@ -5,7 +5,8 @@ bit for bit): each row of src [R, C] (bf16/fp16) is cut into groups of `group_le
 columns (group_len = C: one group per row, i.e. per token; 128: DeepSeek-V3's 1x128 groups). Per
 group, in fp32:
     scale = max(amax, 1e-10) / 448            (amax: largest |value| of the group; IEEE division)
-    q     = rne(clamp(value / scale, -448, 448))   (IEEE division, round to nearest even)
+    q     = rne(clamp(value * (448 / max(amax, 1e-10)), -448, 448))
+            (one IEEE division a group, an IEEE multiply a value, round to nearest even)
 A group holding a NaN or +-Inf gets scale NaN and q = 0, so it dequantises (q * scale) to NaN:
 the non-finite value poisons its own group, hence its own row's GEMM outputs, and nothing else.
 Each scale depends on its own group only (vLLM #40047: one shared scale let a NaN row poison
@@ -78,19 +79,20 @@ def _stats(v, amax, bad):
 
 
 @triton.jit
-def _codes(v, divisor, is_bad, NATIVE_CAST: tl.constexpr):
-    """The tile v's rows divided by their scale, ready for the cast to e4m3; 0 in non-finite
-    groups. NATIVE_CAST (compiled): the cast itself rounds to nearest even and saturates at 448
+def _codes(v, multiplier, is_bad, NATIVE_CAST: tl.constexpr):
+    """The tile v's rows times their groups' 448 / amax, ready for the cast to e4m3; 0 in
+    non-finite groups. A multiply, not a division by the scale: div_rn is a long instruction
+    sequence a value, and with it this kernel ran at 40% of the copy floor at prefill sizes. NATIVE_CAST (compiled): the cast itself rounds to nearest even and saturates at 448
     (cvt.rn.satfinite on sm_89+, as torch's cast), so the clamp and `round_to_e4m3` are left to it:
     they were about a third of this kernel's instructions, and the kernel was issue-bound (H200,
     ncu: 68% issue slots busy, 21% of DRAM bandwidth). Interpreter: its cast does neither, so
     the values are rounded here, in fp32 arithmetic (exact e4m3 values: the cast converts them
     as they are)."""
     if NATIVE_CAST:
-        # A non-finite value's quotient is replaced below with its whole group's: no guard needed.
-        q = tl.math.div_rn(v, divisor)
+        # A non-finite value's product is replaced below with its whole group's: no guard needed.
+        q = v * multiplier
     else:
-        q = tl.math.div_rn(tl.where(tl.abs(v) <= _FLT_MAX, v, 0.0), divisor)
+        q = tl.where(tl.abs(v) <= _FLT_MAX, v, 0.0) * multiplier
         q = round_to_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
     return tl.where(is_bad[:, None], 0.0, q)
 
@@ -155,9 +157,10 @@ def _quantize_kernel(
         scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
         is_bad = bad > 0
         tl.store(scale_ptr + rows64 * num_groups + group, tl.where(is_bad, float("nan"), scale), mask=row_ok)
-        divisor = tl.broadcast_to(tl.where(is_bad, 1.0, scale)[:, None], (BLOCK_R, BLOCK_C))
+        multiplier = tl.math.div_rn(tl.full((BLOCK_R,), _FP8_MAX, tl.float32), tl.maximum(amax, _AMAX_FLOOR))
+        multiplier = tl.broadcast_to(tl.where(is_bad, 0.0, multiplier)[:, None], (BLOCK_R, BLOCK_C))
         if ONE_CHUNK:
-            q = _codes(v, divisor, is_bad, NATIVE_CAST)
+            q = _codes(v, multiplier, is_bad, NATIVE_CAST)
             tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
         else:
             for c0 in range(start, end, BLOCK_C):
@@ -165,7 +168,7 @@ def _quantize_kernel(
                 mask = row_ok[:, None] & (cols < end)[None, :]
                 offsets = row_offsets[:, None] + cols[None, :]
                 v = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-                q = _codes(v, divisor, is_bad, NATIVE_CAST)
+                q = _codes(v, multiplier, is_bad, NATIVE_CAST)
                 tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
