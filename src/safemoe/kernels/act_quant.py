@@ -82,7 +82,8 @@ def _stats(v, amax, bad):
 def _codes(v, multiplier, is_bad, NATIVE_CAST: tl.constexpr):
     """The tile v's rows times their groups' 448 / amax, ready for the cast to e4m3; 0 in
     non-finite groups. A multiply, not a division by the scale: div_rn is a long instruction
-    sequence a value, and with it this kernel ran at 40% of the copy floor at prefill sizes. NATIVE_CAST (compiled): the cast itself rounds to nearest even and saturates at 448
+    sequence a value, and with it this kernel ran at 40% of the copy floor at prefill sizes.
+    NATIVE_CAST (compiled): the cast itself rounds to nearest even and saturates at 448
     (cvt.rn.satfinite on sm_89+, as torch's cast), so the clamp and `round_to_e4m3` are left to it:
     they were about a third of this kernel's instructions, and the kernel was issue-bound (H200,
     ncu: 68% issue slots busy, 21% of DRAM bandwidth). Interpreter: its cast does neither, so
