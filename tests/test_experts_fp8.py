@@ -530,6 +530,90 @@ def test_swapped_product_in_fp8_modes(device: str, mode: str, block_m: int, inte
     _variant_against_plain(x, fp8w, weights, ids, cfg, swapped, f"{mode}: swapped product")
 
 
+@pytest.mark.memcheck
+@pytest.mark.parametrize(("device", "inter", "block_n", "swap", "tma"),
+                         by_device(cpu=[(136, 128, False, False), (256, 256, False, False)],
+                                   cuda=[(200, 128, False, False), (256, 256, False, True),
+                                         (384, 128, True, True)]))
+def test_intermediate_quantised_in_gemm1_epilogue(device: str, inter: int, block_n: int, swap: bool,
+                                                  tma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block mode with GEMM1 tiles of whole 1x128 groups quantises the intermediate in GEMM1's
+    epilogue (kernels/experts.py FUSE_INTER_QUANT): bitwise the output of the separate
+    quantisation pass over the stored intermediate, for one group a tile (128), two (256), a
+    partial last group (I = 136, 200) and the swapped product; the NaN row stays in its row,
+    padded rows are exact zeros."""
+    import dataclasses
+
+    import safemoe.kernels.experts as kernels
+
+    hidden = 160 if device == "cpu" else 512
+    x, _, fp8w, weights, ids = _case(70, 4, 2, hidden, inter, "block", torch.bfloat16, seed=inter + block_n,
+                                     device=device)
+    x[3] = math.nan
+    x[60:] = math.nan  # padding
+    on_cpu = device == "cpu"
+    cfg = _config(16, block_n, 32 if on_cpu else 128, tma, num_stages=1 if on_cpu else 3)
+    cfg = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, swap_ab=swap))
+    assert kernels.fuses_inter_quant(cfg)
+    outputs = []
+    for fused in (False, True):
+        monkeypatch.setattr(kernels, "FUSE_INTER_QUANT", fused)
+        outputs.append(_run(x, fp8w, weights, ids, config=cfg, num_valid=60,
+                            out=poisoned(x.shape, x.dtype, x.device)))
+    separate, fused_out = outputs
+    assert_equal(fused_out.view(torch.int16), separate.view(torch.int16), "fused vs separate quantisation")
+    assert_equal(fused_out[60:], torch.zeros_like(fused_out[60:]), "padded rows")
+    assert bool(torch.isnan(fused_out[3]).all()), "the NaN row"
+    rows = torch.ones(70, dtype=torch.bool, device=x.device)
+    rows[3] = False
+    rows[60:] = False
+    _assert_fp8_close(fused_out[rows], _reference(x, fp8w, weights, ids, num_valid=60)[rows], "fused")
+
+
+@interpreter_only(INTERPRETER_ONLY)
+@pytest.mark.parametrize("one_launch", [False, True])
+@pytest.mark.parametrize("num_valid", [5, 40])
+def test_fused_intermediate_beside_small_batch_tiles(one_launch: bool, num_valid: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Main tiles of whole groups beside 64-column small-batch tiles: in their own launch the main
+    launch quantises its rows and the separate pass covers the small layout only; merged into one
+    launch, nothing is fused. Either way, and with the small layout in use (5 valid rows) or the
+    main one (40), the output is bitwise the unfused one's."""
+    import dataclasses
+
+    import safemoe.kernels.experts as kernels
+
+    x, _, fp8w, weights, ids = _case(48, 4, 2, 160, 136, "block", torch.bfloat16, seed=9)
+    x[2] = math.nan
+    main = dataclasses.replace(_config(32, 128, 32), one_launch=one_launch)
+    small = _config(16, 64, 32)
+    outputs = []
+    for fused in (False, True):
+        monkeypatch.setattr(kernels, "FUSE_INTER_QUANT", fused)
+        outputs.append(_run(x, fp8w, weights, ids, config=main, small_config=small, num_valid=num_valid,
+                            out=poisoned(x.shape, x.dtype, x.device)))
+    assert_equal(outputs[1].view(torch.int16), outputs[0].view(torch.int16), "fused vs separate quantisation")
+    assert_equal(outputs[1][num_valid:], torch.zeros_like(outputs[1][num_valid:]), "padded rows")
+    assert bool(torch.isnan(outputs[1][2]).all()), "the NaN row"
+
+
+def test_fused_intermediate_quantisation_needs_whole_groups() -> None:
+    """GEMM1 tiles narrower than a group (one of the two regimes is enough) keep the separate
+    pass, and asking gemm1_into for the fused epilogue with them, or in per-tensor mode, is
+    refused before any kernel runs."""
+    from safemoe.kernels.experts import Fp8Operands, fuses_inter_quant, gemm1_into
+
+    assert fuses_inter_quant(_config(16, 128), None, _config(16, 256))
+    assert not fuses_inter_quant(_config(16, 128), _config(16, 64))
+    for mode, group, block_n in (("block", 128, 64), ("per_tensor", None, 128)):
+        x, _, fp8w, _, _ = _case(8, 4, 2, 160, 128, mode, torch.bfloat16)
+        ws = Workspace(8, 4, 2, 160, 128, torch.bfloat16, x.device, fp8=True)
+        operands = Fp8Operands(check_fp8_weights(*fp8w), ws.fp8_views(8, 4, 2, 160, 128, group))
+        with pytest.raises(ValueError, match="inter_quant"):
+            gemm1_into(x, fp8w[0], ws.views(8, 4, 2, 160, 128), 2, "silu", _config(16, block_n),
+                       fp8=operands, inter_quant=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # row isolation, padding, the rest of the bf16 contract
 # ---------------------------------------------------------------------------------------------

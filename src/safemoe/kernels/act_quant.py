@@ -99,6 +99,28 @@ def _codes(v, multiplier, is_bad, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
+def _scale_and_multiplier(amax, bad):
+    """Per group from its (amax, bad): (the scale stored, NaN for a non-finite group; 448 / amax,
+    0 for one; non-finite?)."""
+    floored = tl.maximum(amax, _AMAX_FLOOR)
+    is_bad = bad > 0
+    scale = tl.where(is_bad, float("nan"), tl.math.div_rn(floored, _FP8_MAX))
+    multiplier = tl.where(is_bad, 0.0, tl.math.div_rn(tl.zeros_like(floored) + _FP8_MAX, floored))
+    return scale, multiplier, is_bad
+
+
+@triton.jit
+def quantize_tile_rows(v, valid, NATIVE_CAST: tl.constexpr):
+    """Each row of the fp32 tile v [R, C] one group (entries where `valid` is False lie outside
+    it): (codes [R, C] ready for the cast to e4m3, scales [R]), the bits `_quantize_kernel` gives
+    for the same group. For kernels that hold a whole group in registers (GEMM1's epilogue)."""
+    amax, bad = _stats(tl.where(valid, v, 0.0), tl.zeros((v.shape[0],), dtype=tl.float32),
+                       tl.zeros((v.shape[0],), dtype=tl.int32))
+    scale, multiplier, is_bad = _scale_and_multiplier(amax, bad)
+    return _codes(v, multiplier[:, None], is_bad, NATIVE_CAST), scale
+
+
+@triton.jit
 def _quantize_kernel(
     # inputs
     src_ptr,  # [R, C] bf16/fp16
@@ -155,11 +177,9 @@ def _quantize_kernel(
                 mask = row_ok[:, None] & (cols < end)[None, :]
                 v = tl.load(src_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0)
                 amax, bad = _stats(v.to(tl.float32), amax, bad)
-        scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
-        is_bad = bad > 0
-        tl.store(scale_ptr + rows64 * num_groups + group, tl.where(is_bad, float("nan"), scale), mask=row_ok)
-        multiplier = tl.math.div_rn(tl.full((BLOCK_R,), _FP8_MAX, tl.float32), tl.maximum(amax, _AMAX_FLOOR))
-        multiplier = tl.broadcast_to(tl.where(is_bad, 0.0, multiplier)[:, None], (BLOCK_R, BLOCK_C))
+        scale, multiplier, is_bad = _scale_and_multiplier(amax, bad)
+        tl.store(scale_ptr + rows64 * num_groups + group, scale, mask=row_ok)
+        multiplier = tl.broadcast_to(multiplier[:, None], (BLOCK_R, BLOCK_C))
         if ONE_CHUNK:
             q = _codes(v, multiplier, is_bad, NATIVE_CAST)
             tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -217,7 +237,7 @@ def quantize_positions_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Ten
                             sorted_slots: torch.Tensor, num_blocks: torch.Tensor, block_m0: int,
                             block_m1: int, max_positions: int, *, use_pdl: bool = False) -> None:
     """Quantise the sorted positions of src [capacity, C] that hold a slot, below the used M-blocks
-    of either dispatch layout (block_m1 = 0: one layout), into q and scale; `max_positions` bounds
+    of the dispatch layouts whose block_m is not 0, into q and scale; `max_positions` bounds
     the positions any call with these shapes can use (it sizes the grid)."""
     row_len = src.shape[1]
     group_len = min(group_len, row_len)

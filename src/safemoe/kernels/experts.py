@@ -50,7 +50,7 @@ import triton.language as tl
 from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
 from safemoe.configs import ExpertsConfig, GemmTiles, batch_invariant_config, get_config
-from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into
+from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into, quantize_tile_rows
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.experts_ws import gemm2_ws_into, ws_usable
@@ -76,6 +76,10 @@ FEW_SLOTS = 16
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 # fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
+# fp8 block mode: GEMM1 quantises the intermediate in its epilogue where its tiles hold whole 1x128
+# groups (`fuses_inter_quant`), instead of a separate pass over the stored intermediate. A switch
+# for A/B runs (docs/fp8.md, seventeenth session); the two ways give the same bits.
+FUSE_INTER_QUANT = True
 _SWIGLUOAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLUOAI_ALPHA)
 _SWIGLUOAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLUOAI_LIMIT)
 _QUANT_CODES = {None: 0, "per_tensor": 1, "block": 2}
@@ -317,13 +321,14 @@ def _two_weight_tiles(
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
+    x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr, inter_scale_ptr,
     hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
     up_scale_row, up_scale_offset,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
-    INTERLEAVE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    INTERLEAVE: tl.constexpr = False, SWAP_AB: tl.constexpr = False, INTER_QUANT: tl.constexpr = 0,
+    NATIVE_CAST: tl.constexpr = True,
 ):
     """One GEMM1 tile: intermediate rows `rows` (columns of N-block n_block) from the x rows of
     `slots` (-1: a masked row, neither loaded nor stored) and expert `expert`'s w13 (arguments as
@@ -331,7 +336,10 @@ def _gemm1_tile(
     0 or 1): gate and up rows as the even and odd columns of ONE [BLOCK_K, 2 BLOCK_N] weight tile and
     one dot per K step (one 2 BLOCK_N-wide MMA instead of two BLOCK_N-wide ones reading the same A
     tile), split after the K loop; through pointers, or with USE_TMA through w13_arg, then a
-    descriptor over w13 seen as [E, I, 2, H] with [1, BLOCK_N, 2, BLOCK_K] boxes."""
+    descriptor over w13 seen as [E, I, 2, H] with [1, BLOCK_N, 2, BLOCK_K] boxes. INTER_QUANT
+    (fp8 block mode, BLOCK_N a multiple of 128; 1: x is bf16, 2: fp16): the tile's rows quantised
+    in 1x128 groups here, codes to inter_ptr (fp8) and scales to inter_scale_ptr, as
+    `quantize_positions_into` would from the intermediate stored in x's dtype."""
     row_ok = slots >= 0
     tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -395,18 +403,39 @@ def _gemm1_tile(
     acc_up = _dequantize(acc_up, x_scale_rows, row_ok, w_scales + up_scale_offset, QUANT)
     h = _activation(acc_gate, acc_up, ACTIVATION)
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
-    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
+    out_mask = row_ok[:, None] & (cols < inter)[None, :]
+    if INTER_QUANT > 0:
+        # The intermediate as the unfused path stores it (x's dtype), then its 1x128 groups: each
+        # is 128 of this tile's columns (columns past I lie outside the last group).
+        if INTER_QUANT == 1:
+            stored = h.to(tl.bfloat16).to(tl.float32)
+        else:
+            stored = h.to(tl.float16).to(tl.float32)
+        GROUPS: tl.constexpr = BLOCK_N // SCALE_BLOCK
+        in_group = tl.broadcast_to((cols < inter)[None, :], (BLOCK_M, BLOCK_N))
+        codes, scales = quantize_tile_rows(tl.reshape(stored, (BLOCK_M * GROUPS, SCALE_BLOCK)),
+                                           tl.reshape(in_group, (BLOCK_M * GROUPS, SCALE_BLOCK)), NATIVE_CAST)
+        codes = tl.reshape(codes, (BLOCK_M, BLOCK_N))
+        tl.store(out_ptrs, codes.to(inter_ptr.dtype.element_ty), mask=out_mask)
+        groups = n_block * GROUPS + tl.arange(0, GROUPS)
+        scale_rows = inter_scale_ptr + rows.to(tl.int64) * tl.cdiv(inter, SCALE_BLOCK)
+        scale_ptrs = scale_rows[:, None] + groups[None, :]
+        tl.store(scale_ptrs, tl.reshape(scales, (BLOCK_M, GROUPS)),
+                 mask=row_ok[:, None] & (groups * SCALE_BLOCK < inter)[None, :])
+    else:
+        tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _gemm1_tiles(
     x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr, w13_scale_ptr, inter_ptr,
-    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
-    up_scale_row, up_scale_offset,
+    inter_scale_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+    w_scale_row_stride, up_scale_row, up_scale_offset,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ROWWISE: tl.constexpr,
-    INTERLEAVE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    INTERLEAVE: tl.constexpr = False, SWAP_AB: tl.constexpr = False, INTER_QUANT: tl.constexpr = 0,
+    NATIVE_CAST: tl.constexpr = True,
 ):
     """GEMM1's persistent tile loop over `num_m_blocks` M-blocks of BLOCK_M rows of the dispatch
     layout with one set of tiles."""
@@ -415,9 +444,10 @@ def _gemm1_tiles(
         n_block, expert, rows, slots = _tile_rows(tile, num_m_blocks, num_n_blocks, block_end,
                                                   sorted_slots_ptr, BLOCK_M, GROUP_M)
         _gemm1_tile(x_ptr, w13_arg, n_block, expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
-                    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
-                    w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB)
+                    inter_scale_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
+                    w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K,
+                    ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA,
+                    ROWWISE, INTERLEAVE, SWAP_AB, INTER_QUANT, NATIVE_CAST)
 
 
 @triton.jit
@@ -439,7 +469,7 @@ def _gemm1_few_tiles(
     for tile in range(tl.program_id(0), leaders * num_n_blocks, tl.num_programs(0)):
         n_block, tile_expert, rows, slots = _few_tile_rows(tile, num_n_blocks, slot, expert, rank)
         _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_scale_ptr, w13_scale_ptr, inter_ptr,
-                    hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                    inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
                     w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST,
                     FEW, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE)
 
@@ -447,15 +477,15 @@ def _gemm1_few_tiles(
 @triton.jit
 def _gemm1_layout_tiles(
     x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr, x_scale_ptr,
-    w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride, up_offset, x_scale_stride,
-    w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+    w13_scale_ptr, inter_ptr, inter_scale_ptr, hidden, inter, num_experts, expert_stride, up_offset,
+    x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, NUM_BINS: tl.constexpr, QUANT: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, HAS_SMALL: tl.constexpr,
     SMALL_BLOCK_M: tl.constexpr, SMALL_BLOCK_N: tl.constexpr, SMALL_BLOCK_K: tl.constexpr,
     SMALL_GROUP_M: tl.constexpr, SMALL_EVEN_K: tl.constexpr, SMALL_USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr, INTERLEAVE: tl.constexpr,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, INTER_QUANT: tl.constexpr = 0, NATIVE_CAST: tl.constexpr = True,
 ):
     """GEMM1 over the dispatch layout: the main tiles, or (HAS_SMALL) the small-batch ones when
     dispatch built their layout (INTERLEAVE, SWAP_AB: the main tiles')."""
@@ -466,22 +496,24 @@ def _gemm1_layout_tiles(
         num_small_blocks = tl.load(num_blocks_ptr + 1)
         if num_small_blocks > 0:
             _gemm1_tiles(x_ptr, w13_small_arg, sorted_slots_ptr, num_small_blocks, block_end, x_scale_ptr,
-                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
-                         TOP_K, ACTIVATION, QUANT, UPCAST, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K,
-                         SMALL_GROUP_M, SMALL_EVEN_K, DOT_PRECISION, SMALL_USE_TMA, ROWWISE)
+                         w13_scale_ptr, inter_ptr, inter_scale_ptr, hidden, inter, expert_stride, up_offset,
+                         x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row,
+                         up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST, SMALL_BLOCK_M, SMALL_BLOCK_N,
+                         SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, DOT_PRECISION, SMALL_USE_TMA, ROWWISE,
+                         False, False, INTER_QUANT, NATIVE_CAST)
         else:
             _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
-                         w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                         w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
-                         TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                         DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB)
+                         w13_scale_ptr, inter_ptr, inter_scale_ptr, hidden, inter, expert_stride, up_offset,
+                         x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row,
+                         up_scale_offset, TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                         GROUP_M, EVEN_K, DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB, INTER_QUANT,
+                         NATIVE_CAST)
     else:
         _gemm1_tiles(x_ptr, w13_arg, sorted_slots_ptr, num_m_blocks, block_end, x_scale_ptr,
-                     w13_scale_ptr, inter_ptr, hidden, inter, expert_stride, up_offset, x_scale_stride,
-                     w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                     w13_scale_ptr, inter_ptr, inter_scale_ptr, hidden, inter, expert_stride, up_offset,
+                     x_scale_stride, w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
                      TOP_K, ACTIVATION, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                     DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB)
+                     DOT_PRECISION, USE_TMA, ROWWISE, INTERLEAVE, SWAP_AB, INTER_QUANT, NATIVE_CAST)
 
 
 @triton.jit
@@ -501,7 +533,9 @@ def _gemm1_kernel(
     x_scale_ptr,  # QUANT: [T, x_scale_stride] float32 per-token (1) or 1x128-group scales of x
     w13_scale_ptr,  # QUANT 1: [E] or [E, 2] float32; QUANT 2: [E, rows of 128-blocks, ceil(H/128)]
     # outputs
-    inter_ptr,  # [capacity, I]: rows at sorted positions, or at slot numbers on the few-slot path
+    inter_ptr,  # [capacity, I]: rows at sorted positions, or at slot numbers on the few-slot path;
+    #             INTER_QUANT: the fp8 codes of those rows
+    inter_scale_ptr,  # INTER_QUANT: [capacity, ceil(I/128)] float32 scales of the intermediate rows
     # shapes
     num_valid_count,
     num_tokens,
@@ -552,6 +586,8 @@ def _gemm1_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
+    INTER_QUANT: tl.constexpr,  # fp8 block mode: the intermediate quantised in the epilogue (_gemm1_tile)
+    NATIVE_CAST: tl.constexpr,  # compiled: the fp8 cast rounds (act_quant._codes)
 ):
     wait_for_previous_kernel(USE_PDL)
     if FEW > 0:
@@ -565,20 +601,22 @@ def _gemm1_kernel(
                              FEW_BLOCK_K, FEW_EVEN_K, DOT_PRECISION, FEW_USE_TMA, ROWWISE, HAS_HEALTH)
         elif not ONLY_FEW:  # (compiled out when every call takes the few-slot path)
             _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr,
-                                num_blocks_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter,
-                                num_experts, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
-                                w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION,
-                                NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA,
-                                HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M,
-                                SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION, ROWWISE, INTERLEAVE, SWAP_AB)
+                                num_blocks_ptr, x_scale_ptr, w13_scale_ptr, inter_ptr, inter_scale_ptr,
+                                hidden, inter, num_experts, expert_stride, up_offset, x_scale_stride,
+                                w_scale_expert_stride, w_scale_row_stride, up_scale_row, up_scale_offset,
+                                TOP_K, ACTIVATION, NUM_BINS, QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M, SMALL_BLOCK_N,
+                                SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA, DOT_PRECISION,
+                                ROWWISE, INTERLEAVE, SWAP_AB, INTER_QUANT, NATIVE_CAST)
     else:
         _gemm1_layout_tiles(x_ptr, w13_arg, w13_small_arg, sorted_slots_ptr, block_end_ptr, num_blocks_ptr,
-                            x_scale_ptr, w13_scale_ptr, inter_ptr, hidden, inter, num_experts, expert_stride,
-                            up_offset, x_scale_stride, w_scale_expert_stride, w_scale_row_stride,
-                            up_scale_row, up_scale_offset, TOP_K, ACTIVATION, NUM_BINS, QUANT, UPCAST,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA, HAS_SMALL, SMALL_BLOCK_M,
-                            SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K, SMALL_USE_TMA,
-                            DOT_PRECISION, ROWWISE, INTERLEAVE, SWAP_AB)
+                            x_scale_ptr, w13_scale_ptr, inter_ptr, inter_scale_ptr, hidden, inter,
+                            num_experts, expert_stride, up_offset, x_scale_stride, w_scale_expert_stride,
+                            w_scale_row_stride, up_scale_row, up_scale_offset, TOP_K, ACTIVATION, NUM_BINS,
+                            QUANT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, USE_TMA, HAS_SMALL,
+                            SMALL_BLOCK_M, SMALL_BLOCK_N, SMALL_BLOCK_K, SMALL_GROUP_M, SMALL_EVEN_K,
+                            SMALL_USE_TMA, DOT_PRECISION, ROWWISE, INTERLEAVE, SWAP_AB, INTER_QUANT,
+                            NATIVE_CAST)
 
 
 @triton.jit
@@ -900,8 +938,9 @@ def _few_gemms_kernel(
             if tile < gemm1_tiles:
                 n_block, tile_expert, rows, slots = _few_tile_rows(tile, n1_blocks, slot, expert, rank)
                 _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_ptr, x_ptr, inter_ptr,
-                            hidden, inter, w13_expert_stride, up_offset, 0, 0, 0, 0, 0, TOP_K, ACTIVATION, 0,
-                            UPCAST, FEW, BLOCK_N1, BLOCK_K1, EVEN_K1, DOT_PRECISION, USE_TMA1, False)
+                            inter_ptr, hidden, inter, w13_expert_stride, up_offset, 0, 0, 0, 0, 0, TOP_K,
+                            ACTIVATION, 0, UPCAST, FEW, BLOCK_N1, BLOCK_K1, EVEN_K1, DOT_PRECISION, USE_TMA1,
+                            False)
                 # every thread's stores before the release (as dispatch's ticket)
                 tl.debug_barrier()
                 tl.atomic_add(ready + tile // n1_blocks, 1, sem="release")
@@ -1108,14 +1147,16 @@ def _regimes(weight: torch.Tensor, reduction: int, out_cols: int, num_tokens: in
 def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k: int, activation: str,
                cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
                max_tokens: int | None = None, few: FewSlots | None = None, use_pdl: bool = False,
-               fp8: Fp8Operands | None = None, rowwise: bool = False) -> None:
+               fp8: Fp8Operands | None = None, rowwise: bool = False, inter_quant: bool = False) -> None:
     """GEMM1 over the dispatch layout: with `small` (the small-batch tiles) the kernel reads
     views.num_blocks[1] on the device and runs the small tiles over that layout when it is > 0,
     else `cfg`'s tiles over views.num_blocks[0]. Without `small`, `cfg`'s tiles over the layout
     views.num_blocks[layout] counts, the grid covering the M-blocks `max_tokens` (default T) tokens
     can produce. With `few`, a batch of at most FEW_SLOTS valid slots (read on the device) takes
     the few-slot path instead (always, with few.only). With fp8, x is ignored for its quantised
-    rows in fp8.views (w13 is the fp8 weights)."""
+    rows in fp8.views (w13 is the fp8 weights). inter_quant (fp8 block mode, every tile 128*n
+    columns wide: `fuses_inter_quant`): the intermediate goes to fp8.views' codes and scales, quantised
+    in the epilogue, instead of to views.intermediate."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -1144,6 +1185,12 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
     # interleave with TMA: gate and up rows side by side in one box ([E, I, 2, H] view)
     w13_arg = _interleaved_operand(w13, tiles) if interleave and meta["USE_TMA"] else _weight_operand(
         w13, tiles)
+    inter_out, inter_scale, inter_code = views.intermediate, views.intermediate, 0
+    if inter_quant:
+        if fp8 is None or fp8.group != FP8_BLOCK or not fuses_inter_quant(cfg, small):
+            raise ValueError("inter_quant: fp8 block mode with GEMM1 tiles 128*n columns wide")
+        inter_out, inter_scale = fp8.views.inter, fp8.views.inter_scale
+        inter_code = 1 if x.dtype == torch.bfloat16 else 2
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
     # (few-slot path: over (expert routed to, N-block) tiles)
     _gemm1_kernel[(grid,)](
@@ -1151,7 +1198,7 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"],
         health if health is not None else views.num_blocks,
         a_scale, w_scale,
-        views.intermediate,
+        inter_out, inter_scale,
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, 2 * inter * hidden, inter * hidden, a_scale.shape[1] if fp8 else 0,
         **strides,
@@ -1161,8 +1208,15 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
         HAS_HEALTH=health is not None,
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
+        INTER_QUANT=inter_code, NATIVE_CAST=not interpreter_enabled(),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),
     )
+
+
+def fuses_inter_quant(*configs: ExpertsConfig | None) -> bool:
+    """GEMM1 of these configs can quantise the fp8 block-mode intermediate in its epilogue: every
+    tile's columns are whole 1x128 groups."""
+    return all(cfg is None or cfg.gemm1.block_n % FP8_BLOCK == 0 for cfg in configs)
 
 
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
@@ -1458,21 +1512,30 @@ def experts_triton(
             # decode buckets keep the GEMMs' path.
             few_gemms_into(x, w13, w2, weights, views, activation, few, use_pdl=use_pdl)
             few = None
+        # fp8 block mode: a GEMM1 launch whose tiles hold whole 1x128 groups quantises the
+        # intermediate itself (one pass over it and its x-dtype round trip less); the separate pass
+        # covers the layouts the other launches produce (dispatch builds one of the two a call).
+        fusable = operands is not None and operands.group == FP8_BLOCK and FUSE_INTER_QUANT
+        main_fused = fusable and fuses_inter_quant(config, merged)
+        small_fused = fusable and separate is not None and fuses_inter_quant(separate)
         gemm1_into(x, w13, views, top_k, activation, config, small=merged, few=few, use_pdl=use_pdl,
-                   fp8=operands, rowwise=rowwise)
+                   fp8=operands, rowwise=rowwise, inter_quant=main_fused)
         if separate is not None:
             gemm1_into(x, w13, views, top_k, activation, separate, layout=1, max_tokens=small_tokens,
-                       use_pdl=use_pdl, fp8=operands)
+                       use_pdl=use_pdl, fp8=operands, inter_quant=small_fused)
         if operands is not None:
             positions = max_m_blocks(num_tokens, num_experts, top_k, config.block_m) * config.block_m
+            main_block_m = 0 if main_fused else config.block_m
             small_block_m = 0
             if small_config is not None:
-                small_block_m = small_config.block_m
-                small_blocks = max_m_blocks(small_tokens, num_experts, top_k, small_block_m)
-                positions = max(positions, small_blocks * small_block_m)
-            quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
-                                    operands.group or inter, views.sorted_slots, views.num_blocks,
-                                    config.block_m, small_block_m, positions, use_pdl=use_pdl)
+                small_blocks = max_m_blocks(small_tokens, num_experts, top_k, small_config.block_m)
+                positions = max(positions, small_blocks * small_config.block_m)
+                if not (main_fused if merged is not None else small_fused):
+                    small_block_m = small_config.block_m
+            if main_block_m or small_block_m:
+                quantize_positions_into(views.intermediate, operands.views.inter, operands.views.inter_scale,
+                                        operands.group or inter, views.sorted_slots, views.num_blocks,
+                                        main_block_m, small_block_m, positions, use_pdl=use_pdl)
         if config.gemm2.engine != "triton" and operands is None and ws_usable(w2, views):
             # The Gluon GEMM2 (GemmTiles.engine) over the main layout; the small-batch and few-slot
             # regimes, which it does not hold, in a Triton launch over layout 1 (dispatch leaves
