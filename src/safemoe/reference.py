@@ -243,10 +243,10 @@ def quantize_groups_reference(t: torch.Tensor, group: int) -> tuple[torch.Tensor
     finite = torch.isfinite(v)
     bad = ~finite.all(dim=-1)  # [R, G]
     amax = torch.where(finite, v.abs(), 0.0).amax(dim=-1)
-    scale = amax.clamp(min=FP8_AMAX_FLOOR) / FP8_MAX
+    floored = amax.clamp(min=FP8_AMAX_FLOOR)
+    scale = floored / FP8_MAX
     # a tensor divided by a tensor: `FP8_MAX / t` runs as t.reciprocal() * FP8_MAX, which is not
     # the correctly rounded quotient (448 / 192 comes out one ulp high)
-    floored = amax.clamp(min=FP8_AMAX_FLOOR)
     multiplier = torch.full_like(floored, FP8_MAX) / floored
     q = (torch.where(finite, v, 0.0) * multiplier[..., None]).clamp(-FP8_MAX, FP8_MAX)
     q = torch.where(bad[..., None], 0.0, q).to(FP8_DTYPE)

@@ -100,8 +100,8 @@ def _codes(v, multiplier, is_bad, NATIVE_CAST: tl.constexpr):
 
 @triton.jit
 def _scale_and_multiplier(amax, bad):
-    """Per group from its (amax, bad): (the scale stored, NaN for a non-finite group; 448 / amax,
-    0 for one; non-finite?)."""
+    """Per group, from its amax and non-finite flag: (the scale to store, NaN for a non-finite
+    group; the multiplier 448 / amax, 0 for a non-finite group; whether it is non-finite)."""
     floored = tl.maximum(amax, _AMAX_FLOOR)
     is_bad = bad > 0
     scale = tl.where(is_bad, float("nan"), tl.math.div_rn(floored, _FP8_MAX))
