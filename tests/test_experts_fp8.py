@@ -531,23 +531,27 @@ def test_swapped_product_in_fp8_modes(device: str, mode: str, block_m: int, inte
 
 
 @pytest.mark.memcheck
-@pytest.mark.parametrize(("device", "inter", "block_n", "swap", "tma"),
-                         by_device(cpu=[(136, 128, False, False), (256, 256, False, False)],
-                                   cuda=[(200, 128, False, False), (256, 256, False, True),
-                                         (384, 128, True, True)]))
+@pytest.mark.parametrize(("device", "inter", "block_n", "swap", "tma", "dtype"),
+                         by_device(cpu=[(136, 128, False, False, torch.bfloat16),
+                                        (256, 256, False, False, torch.float16)],
+                                   cuda=[(200, 128, False, False, torch.bfloat16),
+                                         (256, 256, False, True, torch.bfloat16),
+                                         (384, 128, True, True, torch.bfloat16),
+                                         (200, 128, False, True, torch.float16)]))
 def test_intermediate_quantised_in_gemm1_epilogue(device: str, inter: int, block_n: int, swap: bool,
-                                                  tma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  tma: bool, dtype: torch.dtype,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Block mode with GEMM1 tiles of whole 1x128 groups quantises the intermediate in GEMM1's
     epilogue (kernels/experts.py FUSE_INTER_QUANT): bitwise the output of the separate
-    quantisation pass over the stored intermediate, for one group a tile (128), two (256), a
-    partial last group (I = 136, 200) and the swapped product; the NaN row stays in its row,
-    padded rows are exact zeros."""
+    quantisation pass over the intermediate stored in x's dtype (bf16 or fp16), for one group a
+    tile (128), two (256), a partial last group (I = 136, 200) and the swapped product; the NaN
+    row stays in its row, padded rows are exact zeros."""
     import dataclasses
 
     import safemoe.kernels.experts as kernels
 
     hidden = 160 if device == "cpu" else 512
-    x, _, fp8w, weights, ids = _case(70, 4, 2, hidden, inter, "block", torch.bfloat16, seed=inter + block_n,
+    x, _, fp8w, weights, ids = _case(70, 4, 2, hidden, inter, "block", dtype, seed=inter + block_n,
                                      device=device)
     x[3] = math.nan
     x[60:] = math.nan  # padding
