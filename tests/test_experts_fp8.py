@@ -601,6 +601,83 @@ def test_fused_intermediate_beside_small_batch_tiles(one_launch: bool, num_valid
     assert bool(torch.isnan(outputs[1][2]).all()), "the NaN row"
 
 
+def _ptx_counts_for_sm90(which: str) -> tuple[int, int, int]:
+    """(wgmma, fp32 -> e4m3 conversions, IEEE fp32 divisions) in the PTX of an fp8 kernel compiled
+    for sm_90 with this Triton (no GPU needed; run outside the interpreter). which: "quantize"
+    (the activation quantisation, 1x128 groups), "gemm1" (fp8 block GEMM1, 128-column tiles, the
+    intermediate quantised in the epilogue) or "gemm1_swapped" (the same, 16-row swapped tiles)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from safemoe.kernels import act_quant
+    from safemoe.kernels import experts as kernels
+
+    if which == "quantize":
+        kernel, num_warps = act_quant._quantize_kernel, 8
+        block_r, block_c, one_chunk, num_warps = act_quant._tiles(128)
+        pointers = {"src_ptr": "*bf16", "sorted_slots_ptr": "*i32", "count_ptr": "*i32", "q_ptr": "*fp8e4nv",
+                    "scale_ptr": "*fp32"}
+        constants = {"SORTED": True, "HAS_NUM_VALID_PTR": False, "BLOCK_R": block_r, "BLOCK_C": block_c,
+                     "ONE_CHUNK": one_chunk, "USE_PDL": False, "NATIVE_CAST": True}
+    else:
+        kernel = kernels._gemm1_kernel
+        swapped = which == "gemm1_swapped"
+        block_m, num_warps = (16, 4) if swapped else (64, 8)
+        pointers = dict.fromkeys(("x_ptr", "w13_arg", "w13_small_arg", "w13_few_arg", "inter_ptr"),
+                                 "*fp8e4nv")
+        pointers.update(dict.fromkeys(("sorted_slots_ptr", "block_end_ptr", "num_blocks_ptr", "ids_ptr",
+                                       "num_valid_ptr", "health_ptr"), "*i32"))
+        pointers.update(dict.fromkeys(("x_scale_ptr", "w13_scale_ptr", "inter_scale_ptr"), "*fp32"))
+        tiles = {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "EVEN_K": True,
+                 "USE_TMA": False}
+        constants = {"TOP_K": 8, "ACTIVATION": 0, "NUM_BINS": 8, "QUANT": 3, "UPCAST": False, **tiles,
+                     "INTERLEAVE": False, "SWAP_AB": swapped, "HAS_SMALL": False, "FEW": 0, "ONLY_FEW": False,
+                     "HAS_NUM_VALID_PTR": False, "IDS_COMPLETE": False, "HAS_HEALTH": False,
+                     "DOT_PRECISION": "tf32", "USE_PDL": False, "ROWWISE": False, "INTER_QUANT": 1,
+                     "NATIVE_CAST": True}
+        constants.update({f"SMALL_{name}": value for name, value in tiles.items() if name != "BLOCK_M"})
+        constants.update(SMALL_BLOCK_M=16, FEW_BLOCK_N=64, FEW_BLOCK_K=128, FEW_EVEN_K=True,
+                         FEW_USE_TMA=False)
+    ints = [name for name in kernel.arg_names if name not in pointers and name not in constants]
+    signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constants, "constexpr")}
+    # what a launch's specialisation tells the compiler at model shapes: 16-byte aligned pointers,
+    # sizes that are multiples of 16 (without it the loads are not vectorised and a thread holds
+    # one value of each of 8 rows: as many divisions as values)
+    sizes = ("row_len", "group_len", "hidden", "inter")
+    aligned = [name for name in (*pointers, *sizes) if name in kernel.arg_names]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx = compiled.asm["ptx"]
+    return ptx.count("wgmma.mma_async"), ptx.count("e4m3x2.f32"), ptx.count("div.rn.f32")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles and runs these kernels (own tests)")
+def test_fp8_quantisation_compiles_for_sm90_with_a_division_a_group() -> None:
+    """The activation quantisation kernel and GEMM1 with the intermediate quantised in its
+    epilogue compile for sm_90 with this Triton (the GPU machine has another), and divide once a
+    group, not once a value: fewer IEEE divisions a thread than codes converted (a division a
+    value made the quantisation kernel issue-bound, docs/fp8.md). Each e4m3x2 conversion packs two
+    values; the kernel of 2026-11-27 had 9 divisions for a thread's 8 values, this one 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, as on a GPU
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from test_experts_fp8 import _ptx_counts_for_sm90 as f; "
+            "print(*(n for which in ('quantize', 'gemm1', 'gemm1_swapped') for n in f(which)))")
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = [int(v) for v in done.stdout.split()[-9:]]
+    quantize, gemm1, swapped = counts[0:3], counts[3:6], counts[6:9]
+    assert quantize[1] >= 4 and quantize[2] < 2 * quantize[1], quantize
+    for wgmma, conversions, divisions in (gemm1, swapped):
+        assert wgmma >= 4 and conversions >= 4 and divisions < 2 * conversions, (wgmma, conversions,
+                                                                                  divisions)
+
+
 def test_fused_intermediate_quantisation_needs_whole_groups() -> None:
     """GEMM1 tiles narrower than a group (one of the two regimes is enough) keep the separate
     pass, and asking gemm1_into for the fused epilogue with them, or in per-tensor mode, is
