@@ -1010,10 +1010,13 @@ def test_deterministic_and_public_api_bf16(mode: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.memcheck
-@pytest.mark.parametrize("mode", MODES)
-def test_graph_replay_with_num_valid_changed(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "fused"), [("per_tensor", False), ("block", False), ("block", True)])
+def test_graph_replay_with_num_valid_changed(mode: str, fused: bool) -> None:
     """fp8 experts captured in one CUDA graph, replayed with the device num_valid changed in place:
-    each replay bitwise equals an eager call with that num_valid; padded rows exact zeros."""
+    each replay bitwise equals an eager call with that num_valid; padded rows exact zeros. fused:
+    128-column main tiles (the intermediate quantised in GEMM1's epilogue) beside 64-column
+    small-batch tiles in their own launch, whose layout the separate pass alone covers (num_valid
+    1 takes it, the others the main layout)."""
     num_tokens, num_experts, top_k, hidden, inter = 96, 16, 4, 256, 128
     _, _, fp8w = _gpu_fp8_weights(num_experts, hidden, inter, mode)
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -1021,13 +1024,19 @@ def test_graph_replay_with_num_valid_changed(mode: str) -> None:
     ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
     nv = torch.tensor(num_tokens, device="cuda", dtype=torch.int32)
     out = torch.empty_like(x)
-    graph, _ = capture_graph(lambda: _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out))
+    configs = {}
+    if fused:
+        configs = {"config": _config(32, 128, 128, num_stages=3),
+                   "small_config": _config(16, 64, 128, num_stages=3)}
+    graph, _ = capture_graph(lambda: _run(x, fp8w, weights, ids, num_valid=nv, workspace=ws, out=out,
+                                          **configs))
     eager_ws = _gpu_workspace(num_tokens, num_experts, top_k, hidden, inter)
     for valid in (96, 1, 0, 37, 95):
         nv.fill_(valid)
         out.fill_(math.nan)
         graph.replay()
-        eager = _run(x, fp8w, weights, ids, num_valid=torch.tensor(valid, device="cuda"), workspace=eager_ws)
+        eager = _run(x, fp8w, weights, ids, num_valid=torch.tensor(valid, device="cuda"), workspace=eager_ws,
+                     **configs)
         assert_equal(out, eager, what=f"replay num_valid={valid}")
         assert_equal(out[valid:], torch.zeros_like(out[valid:]), what=f"padded rows at {valid}")
 
