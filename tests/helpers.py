@@ -295,3 +295,21 @@ def in_test_shard(nodeid: str, part: tuple[int, int]) -> bool:
 
     k, n = part
     return zlib.crc32(nodeid.encode()) % n == k - 1
+
+
+def run_compiled(module: str, expression: str, timeout: int = 900) -> str:
+    """stdout of `print(expression)` evaluated after `import <module> as m` in a fresh Python
+    with this tests directory on its path and TRITON_INTERPRET=0: Triton compiles for a GPU target
+    there (no GPU needed), where this process interprets every @triton.jit it has imported.
+    Fails the test with the child's stderr when it exits non-zero."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as m; print({expression})"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, as on a GPU
+    done = subprocess.run([sys.executable, "-c", code, tests], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+

@@ -33,6 +33,7 @@ from helpers import (
     garbage_ids,
     interpreter_only,
     poisoned,
+    run_compiled,
 )
 from safemoe._checks import NumValid, check_num_valid
 from safemoe.configs import ExpertsConfig, GemmTiles
@@ -485,23 +486,14 @@ def test_gemm2_gluon_kernel_compiles_for_sm90(engine: str) -> None:
     """The Gluon GEMM2 compiles for sm_90 with this Triton (PTX and ptxas, no GPU), so a change in
     Gluon's API shows on a CPU machine too (the GPU machine has another Triton): wgmma and the
     partitions' register hand-over (setmaxnreg) in the PTX."""
-    import os
-    import subprocess
-    import sys
-
     try:
         import triton.experimental.gluon._runtime  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this Triton has no Gluon compile entry point: {exc}")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, as on a GPU (safemoe keeps this choice)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from test_experts import _compile_gemm2_ws_for_sm90 as build; ptx = build(sys.argv[2]); "
-            "print(ptx.count('wgmma.mma_async'), ptx.count('setmaxnreg'))")
-    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), engine], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    wgmma, setmaxnreg = (int(v) for v in done.stdout.split()[-2:])
-    assert wgmma >= 4 and setmaxnreg >= 2, done.stdout
+    counts = "*(lambda ptx: (ptx.count('wgmma.mma_async'), ptx.count('setmaxnreg')))"
+    stdout = run_compiled("test_experts", f"{counts}(m._compile_gemm2_ws_for_sm90({engine!r}))", timeout=600)
+    wgmma, setmaxnreg = (int(v) for v in stdout.split()[-2:])
+    assert wgmma >= 4 and setmaxnreg >= 2, stdout
 
 
 def test_nearest_bucket_serves_within_one_octave() -> None:

@@ -52,6 +52,7 @@ from helpers import (
     garbage_ids,
     interpreter_only,
     poisoned,
+    run_compiled,
 )
 from safemoe._checks import NumValid, check_fp8_weights, check_num_valid, fp8_scale_shapes
 from safemoe.configs import ExpertsConfig, GemmTiles
@@ -659,18 +660,9 @@ def test_fp8_quantisation_compiles_for_sm90_with_a_division_a_group() -> None:
     group, not once a value: fewer IEEE divisions a thread than codes converted (a division a
     value made the quantisation kernel issue-bound, docs/fp8.md). Each e4m3x2 conversion packs two
     values; the kernel of 2026-11-27 had 9 divisions for a thread's 8 values, this one 2."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, as on a GPU
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from test_experts_fp8 import _ptx_counts_for_sm90 as f; "
-            "print(*(n for which in ('quantize', 'gemm1', 'gemm1_swapped') for n in f(which)))")
-    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = [int(v) for v in done.stdout.split()[-9:]]
+    stdout = run_compiled("test_experts_fp8", "*(n for which in ('quantize', 'gemm1', 'gemm1_swapped') "
+                                              "for n in m._ptx_counts_for_sm90(which))")
+    counts = [int(v) for v in stdout.split()[-9:]]
     quantize, gemm1, swapped = counts[0:3], counts[3:6], counts[6:9]
     assert quantize[1] >= 4 and quantize[2] < 2 * quantize[1], quantize
     for wgmma, conversions, divisions in (gemm1, swapped):

@@ -1190,7 +1190,8 @@ def gemm1_into(x: torch.Tensor, w13: torch.Tensor, views: WorkspaceViews, top_k:
         if fp8 is None or fp8.group != FP8_BLOCK or not fuses_inter_quant(cfg, small):
             raise ValueError("inter_quant: fp8 block mode with GEMM1 tiles 128*n columns wide")
         inter_out, inter_scale = fp8.views.inter, fp8.views.inter_scale
-        inter_code = 1 if x.dtype == torch.bfloat16 else 2
+        # rounded as the unfused path's intermediate is stored
+        inter_code = 1 if views.intermediate.dtype == torch.bfloat16 else 2
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, I / BLOCK_N]
     # (few-slot path: over (expert routed to, N-block) tiles)
     _gemm1_kernel[(grid,)](
