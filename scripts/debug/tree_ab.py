@@ -5,17 +5,20 @@ is `safemoe.moe` as `ab_entry.layer_step` builds it (bench shape, seeded weights
 logits, num_valid as a device tensor, one workspace), timed under CUDA-graph replay.
 
     PYTHONPATH=src:scripts/debug python scripts/debug/tree_ab.py LABEL qwen3:1 qwen3:1024:1 ... [--json F]
-        [--save F.pt] [--quant block|per_tensor]
+        [--save F.pt] [--quant block|per_tensor] [--set safemoe.kernels.experts.PREFETCH_L2_BYTES=0 ...]
 
 Prints one line per case and, with --json, appends {label, case: us} to F; with --save, writes
 each case's output on its first input set to F.pt, so two trees' outputs can be compared bit for
-bit (`safemoe.moe` is deterministic run to run); --quant: every case with fp8 weights of that mode.
+bit (`safemoe.moe` is deterministic run to run); --quant: every case with fp8 weights of that mode;
+--set MODULE.NAME=VALUE (an int, repeatable): a module switch set before any case, for A/Bs of
+one tree with a switch off and on (each setting in its own process, alternating).
 A measurement script, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 
@@ -32,7 +35,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--quant", choices=("block", "per_tensor"))
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     args = parser.parse_args()
+    for setting in args.set:
+        target, value = setting.split("=")
+        module, name = target.rsplit(".", 1)
+        owner = importlib.import_module(module)
+        assert hasattr(owner, name), f"{module} has no {name}"
+        setattr(owner, name, type(getattr(owner, name))(int(value)))
     device = torch.device("cuda")
     result: dict[str, object] = {"label": args.label}
     outputs: dict[str, torch.Tensor] = {}
