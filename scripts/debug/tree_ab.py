@@ -5,7 +5,7 @@ is `safemoe.moe` as `ab_entry.layer_step` builds it (bench shape, seeded weights
 logits, num_valid as a device tensor, one workspace), timed under CUDA-graph replay.
 
     PYTHONPATH=src:scripts/debug python scripts/debug/tree_ab.py LABEL qwen3:1 qwen3:1024:1 ... [--json F]
-        [--save F.pt] [--quant block|per_tensor] [--set safemoe.kernels.experts.PREFETCH_L2_BYTES=0 ...]
+        [--save F.pt] [--quant block|per_tensor] [--set safemoe.kernels.experts.FUSE_INTER_QUANT=0 ...]
 
 Prints one line per case and, with --json, appends {label, case: us} to F; with --save, writes
 each case's output on its first input set to F.pt, so two trees' outputs can be compared bit for

@@ -36,17 +36,12 @@ from safemoe._triton import interpreter_enabled
 from safemoe.kernels.launch import (
     cdiv,
     launch_options,
-    let_next_kernel_launch_then_wait,
     load_num_valid,
     next_power_of_2,
     persistent_grid,
     wait_for_previous_kernel,
 )
 from safemoe.numerics import FLT_MAX, FP8_AMAX_FLOOR, FP8_MAX
-
-# The intermediate's pass lets GEMM2 launch before it waits for GEMM1, so GEMM2's programs can
-# prefetch their weights during GEMM1's tail (experts.PREFETCH_L2_BYTES). A switch for A/B runs.
-EARLY_LAUNCH_OF_GEMM2 = True
 
 _FLT_MAX: tl.constexpr = tl.constexpr(FLT_MAX)
 _FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
@@ -149,12 +144,8 @@ def _quantize_kernel(
     ONE_CHUNK: tl.constexpr,  # BLOCK_C >= group_len: a group is loaded once and kept in registers
     USE_PDL: tl.constexpr,
     NATIVE_CAST: tl.constexpr,  # compiled: the fp8 cast rounds (see _codes)
-    EARLY_LAUNCH: tl.constexpr = False,  # let the next kernel launch before this one waits
 ):
-    if EARLY_LAUNCH:
-        let_next_kernel_launch_then_wait(USE_PDL)
-    else:
-        wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     if SORTED:
         limit = tl.maximum(tl.load(count_ptr) * block_m0, tl.load(count_ptr + 1) * block_m1)
     else:
@@ -257,7 +248,6 @@ def quantize_positions_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Ten
         q, scale,
         0, src.shape[0], row_len, group_len, scale.shape[1], block_m0, block_m1,
         SORTED=True, HAS_NUM_VALID_PTR=False, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=one_chunk,
-        USE_PDL=use_pdl, NATIVE_CAST=not interpreter_enabled(), EARLY_LAUNCH=EARLY_LAUNCH_OF_GEMM2,
-        num_warps=num_warps,
+        USE_PDL=use_pdl, NATIVE_CAST=not interpreter_enabled(), num_warps=num_warps,
         **launch_options(use_pdl),
     )

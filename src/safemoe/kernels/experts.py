@@ -55,14 +55,11 @@ from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.experts_ws import gemm2_ws_into, ws_usable
 from safemoe.kernels.launch import (
-    PREFETCH_CHUNK_BYTES,
-    bulk_prefetch_supported,
     cdiv,
     launch_options,
     load_num_valid,
     pdl_supported,
     persistent_grid,
-    prefetch_to_l2,
     rowwise_product,
     wait_for_previous_kernel,
 )
@@ -83,12 +80,6 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
 # groups (`fuses_inter_quant`), instead of a separate pass over the stored intermediate. A switch
 # for A/B runs (docs/fp8.md, seventeenth session); the two ways give the same bits.
 FUSE_INTER_QUANT = True
-# GEMM2 prefetches the weights of each program's first tile into L2 before its PDL wait, up to this
-# many bytes over all its programs (0: off), so the previous GEMM's tail, where fewer and fewer of
-# its programs still stream, leaves less HBM bandwidth idle (docs/experts.md, eighteenth
-# session); PREFETCH_EVICT_LAST marks those lines evict-last. Switches for A/B runs.
-PREFETCH_L2_BYTES = 16 << 20
-PREFETCH_EVICT_LAST = False
 _SWIGLUOAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLUOAI_ALPHA)
 _SWIGLUOAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLUOAI_LIMIT)
 _QUANT_CODES = {None: 0, "per_tensor": 1, "block": 2}
@@ -809,59 +800,12 @@ def _gemm2_layout_tiles(
 
 
 @triton.jit
-def _prefetch_tile_weights(w_ptr, tile, num_m_blocks, block_end, num_experts, rows_per_expert, row_len,
-                           expert_stride, max_bytes, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                           EVICT_LAST: tl.constexpr):
-    """L2 prefetch of the first `max_bytes` of the weight rows tile `tile` of a layout will read
-    (its expert's BLOCK_N rows of row_len values, the whole K range, as _tile_rows finds them)."""
-    num_n_blocks = tl.cdiv(rows_per_expert, BLOCK_N)
-    if tile < num_m_blocks * num_n_blocks:
-        m_block, n_block = _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
-        expert = tl.minimum(tl.sum((block_end <= m_block).to(tl.int32), 0), num_experts - 1)
-        first_row = n_block * BLOCK_N
-        rows = tl.minimum(rows_per_expert - first_row, BLOCK_N)
-        num_bytes = tl.minimum(rows * row_len * (w_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                               tl.maximum(max_bytes, 0))
-        start = w_ptr + expert.to(tl.int64) * expert_stride + first_row.to(tl.int64) * row_len
-        prefetch_to_l2(start, num_bytes, EVICT_LAST)
-
-
-@triton.jit
-def _prefetch_first_tile(w_ptr, block_end_ptr, num_blocks_ptr, num_experts, rows_per_expert, row_len,
-                         expert_stride, max_bytes, NUM_BINS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         GROUP_M: tl.constexpr, HAS_SMALL: tl.constexpr, SMALL_BLOCK_N: tl.constexpr,
-                         SMALL_GROUP_M: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Before a PDL wait: prefetch into L2 the weights of this program's first tile in the layout
-    in use. Only GEMM2 calls it. When its programs launch (the GEMM1 before them, or the
-    quantisation pass between, has let them), that launch has passed its own wait, so dispatch
-    is complete and the layout read here is this call's; the weights never change. The tail of
-    the previous GEMM, where fewer and fewer of its programs still stream, leaves HBM bandwidth
-    for these reads. An idea from the weight prefetch across PDL waits in peers' fused GEMMs; the
-    code is written here."""
-    num_m_blocks, block_end = _layout_in_use(num_blocks_ptr, block_end_ptr, num_experts, NUM_BINS)
-    tile = tl.program_id(0)
-    if HAS_SMALL:
-        num_small_blocks = tl.load(num_blocks_ptr + 1)
-        if num_small_blocks > 0:
-            _prefetch_tile_weights(w_ptr, tile, num_small_blocks, block_end, num_experts, rows_per_expert,
-                                   row_len, expert_stride, max_bytes, SMALL_BLOCK_N, SMALL_GROUP_M,
-                                   EVICT_LAST)
-        else:
-            _prefetch_tile_weights(w_ptr, tile, num_m_blocks, block_end, num_experts, rows_per_expert,
-                                   row_len, expert_stride, max_bytes, BLOCK_N, GROUP_M, EVICT_LAST)
-    else:
-        _prefetch_tile_weights(w_ptr, tile, num_m_blocks, block_end, num_experts, rows_per_expert, row_len,
-                               expert_stride, max_bytes, BLOCK_N, GROUP_M, EVICT_LAST)
-
-
-@triton.jit
 def _gemm2_kernel(
     # inputs
     inter_ptr,  # [capacity, I] intermediate, or (QUANT) its fp8 rows
     w2_arg,  # pointer to [E, H, I], or with USE_TMA a descriptor over [E*H, I], [BLOCK_N, BLOCK_K] boxes
     w2_small_arg,  # HAS_SMALL: w2 again, with SMALL_USE_TMA a descriptor with the small tiles' boxes
     w2_few_arg,  # FEW > 0: w2 again, with FEW_USE_TMA a descriptor with the few-slot tiles' boxes
-    w2_ptr,  # PREFETCH: w2 [E, H, I] as a pointer
     weights_ptr,  # [T, K] float32, indexed by slot
     sorted_slots_ptr,  # [capacity] int32, -1 in padding
     block_end_ptr,  # [E] int32
@@ -882,7 +826,6 @@ def _gemm2_kernel(
     inter_scale_stride,  # QUANT: scale columns per intermediate row
     w_scale_expert_stride,  # QUANT: scales per expert
     w_scale_row_stride,  # QUANT 2: ceil(I/128)
-    prefetch_bytes,  # PREFETCH: at most this many bytes of w2 prefetched a program
     TOP_K: tl.constexpr,
     NUM_BINS: tl.constexpr,
     QUANT: tl.constexpr,
@@ -915,12 +858,7 @@ def _gemm2_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROWWISE: tl.constexpr,  # interpreter in batch-invariant mode: see _mma
-    PREFETCH: tl.constexpr = 0,  # 1: the first tile's w2 rows into L2 before the PDL wait; 2: evict-last
 ):
-    if PREFETCH > 0:
-        _prefetch_first_tile(w2_ptr, block_end_ptr, num_blocks_ptr, num_experts, hidden, inter, expert_stride,
-                             prefetch_bytes, NUM_BINS, BLOCK_N, GROUP_M, HAS_SMALL, SMALL_BLOCK_N,
-                             SMALL_GROUP_M, PREFETCH == 2)
     wait_for_previous_kernel(USE_PDL)
     if FEW > 0:
         raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
@@ -1282,21 +1220,6 @@ def fuses_inter_quant(*configs: ExpertsConfig | None) -> bool:
     return all(cfg is None or cfg.gemm1.block_n % FP8_BLOCK == 0 for cfg in configs)
 
 
-def _prefetch_bytes(w2: torch.Tensor, grid: int, num_warps: int, wanted: bool) -> int:
-    """Bytes of w2 each GEMM2 program prefetches into L2 before its PDL wait (0: none): the
-    PREFETCH_L2_BYTES budget over the grid, at most 4 KiB a thread, a multiple of 16. Only
-    compiled sm_90+ code launched with PDL (the prefetch has nothing to overlap otherwise), and
-    rows that keep every start 16-byte aligned."""
-    if not wanted or PREFETCH_L2_BYTES == 0 or not bulk_prefetch_supported(w2.device):
-        return 0
-    if PREFETCH_L2_BYTES < 0:  # debug: the prefetch compiled in, no bytes asked for
-        return -1
-    if (w2.shape[-1] * w2.element_size()) % 16 or w2.data_ptr() % 16:
-        return 0
-    per_program = min(PREFETCH_L2_BYTES // grid, PREFETCH_CHUNK_BYTES * 32 * num_warps)
-    return per_program - per_program % 16
-
-
 def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, num_tokens: int, top_k: int,
                cfg: ExpertsConfig, *, small: ExpertsConfig | None = None, layout: int = 0,
                max_tokens: int | None = None, few: FewSlots | None = None, use_pdl: bool = False,
@@ -1322,17 +1245,14 @@ def gemm2_into(w2: torch.Tensor, weights: torch.Tensor, views: WorkspaceViews, n
     # grid: persistent programs looping over (M-block, N-block) tiles of [used M-blocks, H / BLOCK_N]
     # QUANT 4 loads each half's [128, block_k] box on its own
     weight_operand = _weight_operand(w2, replace(tiles, block_n=FP8_BLOCK) if quant == 4 else tiles)
-    only_few = few is not None and few.only  # no layout: nothing to prefetch from
-    prefetch_bytes = _prefetch_bytes(w2, grid, launch.num_warps, use_pdl and not only_few)
     _gemm2_kernel[(grid,)](
-        a, weight_operand, small_arg, few_arg, w2, weights, views.sorted_slots, views.block_end,
+        a, weight_operand, small_arg, few_arg, weights, views.sorted_slots, views.block_end,
         views.num_blocks[layout:], few_args["ids_ptr"], few_args["num_valid_ptr"], a_scale, w_scale,
         views.y,
         few_args["num_valid_count"], num_tokens,
         hidden, inter, num_experts, hidden * inter, a_scale.shape[1] if fp8 else 0, **strides,
-        prefetch_bytes=prefetch_bytes,
         TOP_K=top_k, NUM_BINS=num_bins(num_experts), QUANT=quant, UPCAST=_upcast(a.dtype),
-        SWAP_AB=tiles.swap_ab and not rowwise, PREFETCH=(1 + PREFETCH_EVICT_LAST) if prefetch_bytes else 0,
+        SWAP_AB=tiles.swap_ab and not rowwise,
         **meta, HAS_NUM_VALID_PTR=few_args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=few_args["IDS_COMPLETE"],
         DOT_PRECISION=_dot_precision(a.dtype), USE_PDL=use_pdl, ROWWISE=rowwise,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(use_pdl),

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from safemoe._triton import interpreter_enabled
-
 
 @triton.jit
 def wait_for_previous_kernel(USE_PDL: tl.constexpr):
@@ -20,63 +18,6 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def let_next_kernel_launch_then_wait(USE_PDL: tl.constexpr):
-    """wait_for_previous_kernel with the order swapped: the next kernel may launch (and run up to
-    its own wait) while this one still waits. Safe for any next kernel that reads nothing before its
-    wait but what the kernels before this one's predecessor wrote: the GEMM2 after the intermediate
-    quantisation pass, whose weight prefetch reads dispatch's layout."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
-
-# One thread's share of an L2 prefetch (prefetch_to_l2): a bulk prefetch moves up to this many
-# bytes, so a program of 4 warps reaches 512 KiB in one instruction a thread.
-PREFETCH_CHUNK_BYTES = 4096
-
-
-@triton.jit
-def prefetch_to_l2(start_ptr, num_bytes, EVICT_LAST: tl.constexpr):
-    """Ask L2 for `num_bytes` (a multiple of 16, at most 4 KiB a thread of the program) from
-    `start_ptr` (16-byte aligned) on, thread t taking the t-th 4 KiB (sm_90's
-    cp.async.bulk.prefetch.L2: a hint, never a fault, nothing waits for it). EVICT_LAST marks the
-    lines to outlive the streaming loads around them. Compiled GPU code only (inline PTX)."""
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred mine;
-            .reg .b32 tid, offset, size;
-            .reg .b64 wide, address, policy;
-            mov.u32 tid, %tid.x;
-            shl.b32 offset, tid, 12;
-            setp.lt.u32 mine, offset, $2;
-            sub.u32 size, $2, offset;
-            min.u32 size, size, 4096;
-            cvt.u64.u32 wide, offset;
-            add.u64 address, $1, wide;
-            createpolicy.fractional.L2::evict_last.b64 policy, 1.0;
-            @mine cp.async.bulk.prefetch.L2.global.L2::cache_hint [address], size, policy;
-            mov.u32 $0, 0;
-            }""", "=r,l,r", [start_ptr, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred mine;
-            .reg .b32 tid, offset, size;
-            .reg .b64 wide, address;
-            mov.u32 tid, %tid.x;
-            shl.b32 offset, tid, 12;
-            setp.lt.u32 mine, offset, $2;
-            sub.u32 size, $2, offset;
-            min.u32 size, size, 4096;
-            cvt.u64.u32 wide, offset;
-            add.u64 address, $1, wide;
-            @mine cp.async.bulk.prefetch.L2.global [address], size;
-            mov.u32 $0, 0;
-            }""", "=r,l,r", [start_ptr, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -126,18 +67,6 @@ def pdl_supported() -> bool:
 
 def launch_options(use_pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if use_pdl else {}
-
-
-def bulk_prefetch_supported(device: torch.device) -> bool:
-    """Whether kernels compiled for `device` can run prefetch_to_l2 (sm_90+, not the interpreter)."""
-    if device.type != "cuda" or interpreter_enabled():
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
-
-
-@functools.lru_cache(maxsize=8)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.lru_cache(maxsize=8)
