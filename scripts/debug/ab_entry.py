@@ -1,7 +1,7 @@
 """A/B one config-table entry inside the whole layer, interleaved, on a GPU.
 
     PYTHONPATH=src python scripts/debug/ab_entry.py SHAPE T[:NUM_VALID] BUCKET OTHER_TABLE.json
-        [--rounds 5] [--out FILE.json]
+        [--rounds 5] [--out FILE.json] [--quant block|per_tensor]
 
 Times `safemoe.moe` (route + experts, bf16, a workspace, num_valid as a device tensor, CUDA-graph
 replay over 8 seeded routings) at T tokens with NUM_VALID valid rows (default T), once with the
@@ -9,7 +9,8 @@ device table as it is ("table") and once with the entry of BUCKET for SHAPE take
 OTHER_TABLE (a device JSON of another commit or tuning run; "other"), alternating for --rounds
 rounds; prints each side's median. The entry need not be the bucket T runs: the few-slot tiles
 of a larger bucket come from a smaller bucket's entry (`few_slots_config`), so a T = 1024 padded
-step can depend on the T = 8 entry. A measurement script, not a test.
+step can depend on the T = 8 entry. --quant: fp8 weights of that mode and the shape's fp8 entries
+(`E.._fp8-{quant}`). A measurement script, not a test.
 """
 
 from __future__ import annotations
@@ -89,12 +90,13 @@ def main() -> None:
     parser.add_argument("other_table", type=Path)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--quant", choices=("block", "per_tensor"))
     args = parser.parse_args()
     num_experts, top_k, hidden, inter, _ = shape_named(args.shape)
     num_tokens, _, valid = args.tokens.partition(":")
     num_tokens, num_valid = int(num_tokens), int(valid or num_tokens)
     device = torch.device("cuda")
-    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
+    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16, args.quant)
     table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
     other_entries = json.loads(args.other_table.read_text()).get("configs", {}).get(key, {})
     sides = (("this device's table", table.get(key, {})), (str(args.other_table), other_entries))
@@ -104,7 +106,7 @@ def main() -> None:
     ours = table[key][args.bucket]
     other = ExpertsConfig.from_json(other_entries[str(args.bucket)])
 
-    step = layer_step(args.shape, num_tokens, num_valid, device)
+    step = layer_step(args.shape, num_tokens, num_valid, device, args.quant)
 
     times: dict[str, list[float]] = {"table": [], "other": []}
     for _ in range(args.rounds):
@@ -114,11 +116,12 @@ def main() -> None:
     table[key][args.bucket] = ours
     med = {side: statistics.median(v) for side, v in times.items()}
     result = {
-        "device": torch.cuda.get_device_name(device), "shape": args.shape, "T": num_tokens,
+        "device": torch.cuda.get_device_name(device), "shape": args.shape, "quant": args.quant,
+        "T": num_tokens,
         "num_valid": num_valid, "bucket": args.bucket, "table": ours.to_json(), "other": other.to_json(),
         "us": times, "median_us": med, "other_over_table": med["other"] / med["table"],
     }
-    print(f"{args.shape} T={num_tokens} num_valid={num_valid}, entry {args.bucket}: "
+    print(f"{args.shape} {args.quant or 'bf16'} T={num_tokens} num_valid={num_valid}, entry {args.bucket}: "
           f"table {med['table']:.2f} us, "
           f"other {med['other']:.2f} us ({med['other'] / med['table'] - 1:+.1%}); rounds: table "
           f"{[round(t, 2) for t in times['table']]}, other {[round(t, 2) for t in times['other']]}")
