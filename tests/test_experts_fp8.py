@@ -575,6 +575,59 @@ def test_intermediate_quantised_in_gemm1_epilogue(device: str, inter: int, block
     _assert_fp8_close(fused_out[rows], _reference(x, fp8w, weights, ids, num_valid=60)[rows], "fused")
 
 
+@pytest.mark.memcheck
+@pytest.mark.parametrize(("device", "mode", "alone"),
+                         by_device(cpu=[("block", True), ("per_tensor", True), ("block", False)],
+                                   cuda=[("block", True), ("per_tensor", True), ("block", False)]))
+def test_x_quantised_in_the_dispatch_launch(device: str, mode: str, alone: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's dispatch launch (one program builds the layout) quantises x in programs of its
+    own (kernels/dispatch.py FUSE_X_QUANT): the same fp8 rows and scales, below a device num_valid,
+    as the separate quantisation launch, and a bitwise equal output; NaN rows stay in their rows,
+    padded rows are exact zeros. Past one program's slots (alone False: ALONE_SLOTS and CHUNK lowered) the
+    dispatch quantises nothing and the separate launch runs, with the same bits."""
+    import safemoe.kernels.dispatch as dispatch
+    import safemoe.kernels.experts as kernels
+
+    if not alone:  # 24 slots over two 16-slot programs: the multi-program dispatch
+        monkeypatch.setattr(dispatch, "ALONE_SLOTS", 16)
+        monkeypatch.setattr(dispatch, "CHUNK", 16)
+    hidden = 160 if device == "cpu" else 512
+    x, _, fp8w, weights, ids = _case(12, 4, 2, hidden, 128, mode, torch.bfloat16, seed=5, device=device)
+    x[1] = math.nan
+    x[10:] = math.nan  # padding
+    num_valid = check_num_valid(torch.tensor(10, device=x.device), 12, x.device)
+    returned: list[bool] = []
+    original = kernels.dispatch_into
+
+    def spy(*args, **kwargs):
+        returned.append(original(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(kernels, "dispatch_into", spy)
+    outputs, quantised = [], []
+    for fused in (False, True):
+        monkeypatch.setattr(dispatch, "FUSE_X_QUANT", fused)
+        ws = Workspace(12, 4, 2, hidden, 128, torch.bfloat16, x.device, fp8=True)
+        group = 128 if mode == "block" else None
+        views = ws.fp8_views(12, 4, 2, hidden, 128, group)
+        views.x.view(torch.uint8).fill_(0x7F)  # poisoned: NaN codes
+        views.x_scale.fill_(math.nan)
+        outputs.append(_run(x, fp8w, weights, ids, num_valid=num_valid, workspace=ws,
+                            out=poisoned(x.shape, x.dtype, x.device)))
+        quantised.append((views.x[:10].view(torch.uint8).clone(), views.x_scale[:10].clone()))
+    assert returned == [False, alone], returned
+    assert_equal(quantised[1][0], quantised[0][0], "x's codes, lent programs vs their own launch")
+    assert_equal(quantised[1][1], quantised[0][1], "x's scales")
+    assert_equal(outputs[1].view(torch.int16), outputs[0].view(torch.int16), "output")
+    assert_equal(outputs[1][10:], torch.zeros_like(outputs[1][10:]), "padded rows")
+    assert bool(torch.isnan(outputs[1][1]).all()), "the NaN row"
+    rows = torch.ones(12, dtype=torch.bool, device=x.device)
+    rows[1] = False
+    rows[10:] = False
+    _assert_fp8_close(outputs[1][rows], _reference(x, fp8w, weights, ids, num_valid=10)[rows], "lent")
+
+
 @interpreter_only(INTERPRETER_ONLY)
 @pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("num_valid", [5, 40])
@@ -606,14 +659,24 @@ def _ptx_counts_for_sm90(which: str) -> tuple[int, int, int]:
     """(wgmma, fp32 -> e4m3 conversions, IEEE fp32 divisions) in the PTX of an fp8 kernel compiled
     for sm_90 with this Triton (no GPU needed; run outside the interpreter). which: "quantize"
     (the activation quantisation, 1x128 groups), "gemm1" (fp8 block GEMM1, 128-column tiles, the
-    intermediate quantised in the epilogue) or "gemm1_swapped" (the same, 16-row swapped tiles)."""
+    intermediate quantised in the epilogue), "gemm1_swapped" (the same, 16-row swapped tiles) or
+    "dispatch" (the decode dispatch launch whose other programs quantise x, 4 warps)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from safemoe.kernels import act_quant
+    from safemoe.kernels import act_quant, dispatch
     from safemoe.kernels import experts as kernels
 
-    if which == "quantize":
+    if which == "dispatch":
+        kernel, num_warps = dispatch._count_kernel, 4
+        pointers = dict.fromkeys(("ids_ptr", "num_valid_ptr", "counts_ptr", "ticket_ptr", "cursor_ptr",
+                                  "block_end_ptr", "num_blocks_ptr", "sorted_slots_ptr"), "*i32")
+        pointers.update(health_ptr="*i64", x_ptr="*bf16", xq_ptr="*fp8e4nv", x_scale_ptr="*fp32")
+        constants = {"TOP_K": 8, "BLOCK_M": 16, "BLOCK_M_SMALL": 16, "SMALL_SLOTS": -1, "FEW_SLOTS": -1,
+                     "CHUNK": 64, "ATOMIC_COUNT": False, "NUM_BINS": 128, "FILL": 16,
+                     "HAS_NUM_VALID_PTR": True, "HAS_HEALTH": False, "USE_PDL": False, "QUANT_X": True,
+                     "X_BLOCK_R": 8, "X_BLOCK_C": 128, "X_ONE_CHUNK": True, "NATIVE_CAST": True}
+    elif which == "quantize":
         kernel, num_warps = act_quant._quantize_kernel, 8
         block_r, block_c, one_chunk, num_warps = act_quant._tiles(128)
         pointers = {"src_ptr": "*bf16", "sorted_slots_ptr": "*i32", "count_ptr": "*i32", "q_ptr": "*fp8e4nv",
@@ -644,7 +707,7 @@ def _ptx_counts_for_sm90(which: str) -> tuple[int, int, int]:
     # what a launch's specialisation tells the compiler at model shapes: 16-byte aligned pointers,
     # sizes that are multiples of 16 (without it the loads are not vectorised and a thread holds
     # one value of each of 8 rows: as many divisions as values)
-    sizes = ("row_len", "group_len", "hidden", "inter")
+    sizes = ("row_len", "group_len", "hidden", "inter", "x_row_len", "x_group_len")
     aligned = [name for name in (*pointers, *sizes) if name in kernel.arg_names]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
@@ -655,16 +718,18 @@ def _ptx_counts_for_sm90(which: str) -> tuple[int, int, int]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles and runs these kernels (own tests)")
 def test_fp8_quantisation_compiles_for_sm90_with_a_division_a_group() -> None:
-    """The activation quantisation kernel and GEMM1 with the intermediate quantised in its
-    epilogue compile for sm_90 with this Triton (the GPU machine has another), and divide once a
-    group, not once a value: fewer IEEE divisions a thread than codes converted (a division a
-    value made the quantisation kernel issue-bound, docs/fp8.md). Each e4m3x2 conversion packs two
-    values; the kernel of 2026-11-27 had 9 divisions for a thread's 8 values, this one 2."""
-    stdout = run_compiled("test_experts_fp8", "*(n for which in ('quantize', 'gemm1', 'gemm1_swapped') "
-                                              "for n in m._ptx_counts_for_sm90(which))")
-    counts = [int(v) for v in stdout.split()[-9:]]
-    quantize, gemm1, swapped = counts[0:3], counts[3:6], counts[6:9]
-    assert quantize[1] >= 4 and quantize[2] < 2 * quantize[1], quantize
+    """The activation quantisation kernel, GEMM1 with the intermediate quantised in its epilogue
+    and the decode dispatch launch that quantises x in its other programs compile for sm_90 with
+    this Triton (the GPU machine has another), and divide once a group, not once a value: fewer
+    IEEE divisions a thread than codes converted (a division a value made the quantisation kernel
+    issue-bound, docs/fp8.md). Each e4m3x2 conversion packs two values; the kernel of 2026-11-27
+    had 9 divisions for a thread's 8 values, this one 2."""
+    stdout = run_compiled("test_experts_fp8", "*(n for which in ('quantize', 'gemm1', 'gemm1_swapped', "
+                                              "'dispatch') for n in m._ptx_counts_for_sm90(which))")
+    counts = [int(v) for v in stdout.split()[-12:]]
+    quantize, gemm1, swapped, dispatch = counts[0:3], counts[3:6], counts[6:9], counts[9:12]
+    for _, conversions, divisions in (quantize, dispatch):
+        assert conversions >= 4 and divisions < 2 * conversions, (conversions, divisions)
     for wgmma, conversions, divisions in (gemm1, swapped):
         assert wgmma >= 4 and conversions >= 4 and divisions < 2 * conversions, (wgmma, conversions,
                                                                                   divisions)

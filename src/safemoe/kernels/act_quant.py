@@ -121,38 +121,21 @@ def quantize_tile_rows(v, valid, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(
-    # inputs
-    src_ptr,  # [R, C] bf16/fp16
-    sorted_slots_ptr,  # SORTED: [capacity] int32, -1 in padding positions
-    count_ptr,  # SORTED: num_blocks [2] int32; else (HAS_NUM_VALID_PTR) the 0-dim num_valid
-    # outputs
-    q_ptr,  # [R, C] float8_e4m3fn
-    scale_ptr,  # [R, num_groups] float32
-    # shapes
-    count,  # not SORTED: the host num_valid (rows to quantise)
-    num_rows,  # R: T for x (the clamp of a device num_valid)
-    row_len,  # C
-    group_len,  # columns per group (C: one group per row)
-    num_groups,  # ceil(C / group_len)
-    block_m0,  # SORTED: BLOCK_M of layout 0 (num_blocks[0])
-    block_m1,  # SORTED: BLOCK_M of layout 1 (num_blocks[1]; 0 when there is no second layout)
-    SORTED: tl.constexpr,
-    HAS_NUM_VALID_PTR: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,  # BLOCK_C >= group_len: a group is loaded once and kept in registers
-    USE_PDL: tl.constexpr,
-    NATIVE_CAST: tl.constexpr,  # compiled: the fp8 cast rounds (see _codes)
+def quantize_items(
+    program, num_programs, src_ptr, sorted_slots_ptr, count_ptr, q_ptr, scale_ptr, count, num_rows, row_len,
+    group_len, num_groups, block_m0, block_m1, SORTED: tl.constexpr, HAS_NUM_VALID_PTR: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
+    """The work of _quantize_kernel (arguments as there) for program `program` of `num_programs`:
+    its launch, or the programs another kernel gives it (dispatch's, which quantise x beside the
+    layout in a decode step: kernels/dispatch.py)."""
     if SORTED:
         limit = tl.maximum(tl.load(count_ptr) * block_m0, tl.load(count_ptr + 1) * block_m1)
     else:
         limit = load_num_valid(count_ptr, count, num_rows, HAS_NUM_VALID_PTR)
     # One work item = BLOCK_R rows x one group, so the groups of a row run in parallel (a program
     # walking a row's 56 groups of 128 one after another took ~400 us at H = 7168, H200).
-    for item in range(tl.program_id(0), tl.cdiv(limit, BLOCK_R) * num_groups, tl.num_programs(0)):
+    for item in range(program, tl.cdiv(limit, BLOCK_R) * num_groups, num_programs):
         group = item % num_groups
         rows = (item // num_groups) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < limit
@@ -193,6 +176,37 @@ def _quantize_kernel(
                 tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_kernel(
+    # inputs
+    src_ptr,  # [R, C] bf16/fp16
+    sorted_slots_ptr,  # SORTED: [capacity] int32, -1 in padding positions
+    count_ptr,  # SORTED: num_blocks [2] int32; else (HAS_NUM_VALID_PTR) the 0-dim num_valid
+    # outputs
+    q_ptr,  # [R, C] float8_e4m3fn
+    scale_ptr,  # [R, num_groups] float32
+    # shapes
+    count,  # not SORTED: the host num_valid (rows to quantise)
+    num_rows,  # R: T for x (the clamp of a device num_valid)
+    row_len,  # C
+    group_len,  # columns per group (C: one group per row)
+    num_groups,  # ceil(C / group_len)
+    block_m0,  # SORTED: BLOCK_M of layout 0 (num_blocks[0])
+    block_m1,  # SORTED: BLOCK_M of layout 1 (num_blocks[1]; 0 when there is no second layout)
+    SORTED: tl.constexpr,
+    HAS_NUM_VALID_PTR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # BLOCK_C >= group_len: a group is loaded once and kept in registers
+    USE_PDL: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,  # compiled: the fp8 cast rounds (see _codes)
+):
+    wait_for_previous_kernel(USE_PDL)
+    quantize_items(tl.program_id(0), tl.num_programs(0), src_ptr, sorted_slots_ptr, count_ptr, q_ptr,
+                   scale_ptr, count, num_rows, row_len, group_len, num_groups, block_m0, block_m1, SORTED,
+                   HAS_NUM_VALID_PTR, BLOCK_R, BLOCK_C, ONE_CHUNK, NATIVE_CAST)
+
+
 # Longest group quantised from registers in one load (fp32: 64 values a thread at 8 warps); a
 # longer one (a per-token group past 16384 columns) takes two passes over 1024-column chunks.
 _MAX_ONE_CHUNK = 16384
@@ -212,6 +226,25 @@ def _tiles(group_len: int) -> tuple[int, int, bool, int]:
 
 def _grid(items: int, device: torch.device) -> tuple[int]:
     return (persistent_grid(items, device, programs_per_sm=8),)
+
+
+def lent_rows_quantisation(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_len: int,
+                           num_warps: int) -> tuple[int, dict[str, object]]:
+    """(programs, arguments) for quantising src [T, C] rows below num_valid into q and scale (as
+    quantize_rows_into) in programs another launch of `num_warps` warps lends (they call
+    quantize_items; the lender supplies num_valid). The tiles fit those warps; a group's codes do
+    not depend on its tile, so the bits are quantize_rows_into's."""
+    num_rows, row_len = src.shape
+    group_len = min(group_len, row_len)
+    block_r, block_c, one_chunk, _ = _tiles(group_len)
+    if one_chunk:
+        block_r = max(1, min(block_r, 256 * num_warps // block_c))
+    programs = _grid(cdiv(num_rows, block_r) * scale.shape[1], src.device)[0]
+    return programs, {
+        "x_ptr": src, "xq_ptr": q, "x_scale_ptr": scale, "x_row_len": row_len, "x_group_len": group_len,
+        "x_num_groups": scale.shape[1], "X_BLOCK_R": block_r, "X_BLOCK_C": block_c, "X_ONE_CHUNK": one_chunk,
+        "NATIVE_CAST": not interpreter_enabled(),
+    }
 
 
 def quantize_rows_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_len: int,

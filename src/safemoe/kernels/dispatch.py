@@ -24,6 +24,10 @@ inside one expert):
   costs little more than decode when few rows are valid). Grids depend on T only; programs past
   the last chunk holding a slot of a valid row return at once, so the work scales with
   num_valid, which may be a device tensor (read on the device, clamped to [0, T]).
+- fp8 (`dispatch_into(quantize_x=...)`): when one program builds the layout (T*K <= ALONE_SLOTS),
+  the launch has more programs that quantise x's rows below num_valid into the fp8 views
+  (act_quant.quantize_items: the bits of the separate quantisation launch, which runs instead
+  for larger T). They read only x and num_valid, never the layout.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
+from safemoe.kernels.act_quant import lent_rows_quantisation, quantize_items
 from safemoe.kernels.launch import (
     cdiv,
     launch_options,
@@ -56,6 +61,10 @@ CHUNK = 1024
 # serial work) for -3% on its one-row step, and a 4-warp loop over 1024-slot chunks +1.6% at 4096.
 ALONE_SLOTS = 4096
 ALONE_WARPS = 8
+# fp8: a one-program dispatch launch (decode) also quantises x in more programs of its grid
+# (`dispatch_into(quantize_x=...)`), one launch boundary less on the step's critical path
+# (eighteenth session, docs/fp8.md). A switch for A/B runs; the bits are the same either way.
+FUSE_X_QUANT = True
 # Bins (E < bins <= 2E) from which one wide program (chunk > CHUNK) counts its slots with atomics
 # instead of tl.histogram (see _count_alone). H200, 2026-11-27 (dispatch_alone_ab.py): Qwen3-Next
 # (E = 512) layer T = 128 / 256 -1.2 / -1.7%. Not for 4-warp chunks (Qwen3-Next T = 8: +4.4%) nor
@@ -133,10 +142,17 @@ def _count_kernel(
     num_blocks_ptr,  # [2] int32 out: M-blocks in use with BLOCK_M, with BLOCK_M_SMALL (one is 0)
     sorted_slots_ptr,  # [capacity] int32 out: -1 in padding positions (and the slots with one chunk)
     health_ptr,  # [8] int64 (if HAS_HEALTH)
+    # QUANT_X: x [T, H] quantised into xq / x_scale by the programs past the first (act_quant)
+    x_ptr,
+    xq_ptr,
+    x_scale_ptr,
     # shapes
     num_valid_count,
     num_tokens,
     num_experts,
+    x_row_len,
+    x_group_len,
+    x_num_groups,
     TOP_K: tl.constexpr,
     # meta
     BLOCK_M: tl.constexpr,
@@ -150,58 +166,74 @@ def _count_kernel(
     HAS_NUM_VALID_PTR: tl.constexpr,
     HAS_HEALTH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    QUANT_X: tl.constexpr = False,  # one program builds the layout (decode), the others quantise x
+    X_BLOCK_R: tl.constexpr = 1,
+    X_BLOCK_C: tl.constexpr = 16,
+    X_ONE_CHUNK: tl.constexpr = True,
+    NATIVE_CAST: tl.constexpr = False,
 ):
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
-    num_valid = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
-    valid_slots = num_valid * TOP_K
-    slots = pid * CHUNK + tl.arange(0, CHUNK)
-    bins = tl.arange(0, NUM_BINS)
-    if valid_slots <= FEW_SLOTS:
-        # The GEMMs take the few-slot path (and count its dropped ids): no layout, no M-block.
-        if pid == 0:
-            tl.store(num_blocks_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
-    elif valid_slots <= CHUNK:
-        # One chunk holds every valid slot (decode, or a padded batch with few valid rows: decided
-        # on the device, so a graph captured for many rows replays few at decode cost). Program 0
-        # does it all from its own histogram: no counter, no ticket, no scatter launch.
-        if pid == 0:
-            expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
-            counts = _count_alone(expert, served, bins, num_experts, counts_ptr, NUM_BINS, ATOMIC_COUNT)
-            if valid_slots <= SMALL_SLOTS:
-                # Few valid slots in a batch tuned for many: the small-batch tiles' layout, whose
-                # GEMM launches run while the main ones find 0 blocks (and the reverse otherwise).
-                _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr + 1,
-                              sorted_slots_ptr, BLOCK_M_SMALL, NUM_BINS, FILL)
-                tl.store(num_blocks_ptr, 0)
-            else:
+    if QUANT_X:
+        lent = pid > 0
+    else:
+        lent = False
+    if lent:
+        # x's fp8 quantisation in this launch: a decode step saves the quantisation launch's
+        # boundary (its rows below num_valid, as act_quant.quantize_rows_into).
+        quantize_items(pid - 1, tl.num_programs(0) - 1, x_ptr, x_ptr, num_valid_ptr, xq_ptr, x_scale_ptr,
+                       num_valid_count, num_tokens, x_row_len, x_group_len, x_num_groups, 0, 0, False,
+                       HAS_NUM_VALID_PTR, X_BLOCK_R, X_BLOCK_C, X_ONE_CHUNK, NATIVE_CAST)
+    else:
+        num_valid = load_num_valid(num_valid_ptr, num_valid_count, num_tokens, HAS_NUM_VALID_PTR)
+        valid_slots = num_valid * TOP_K
+        slots = pid * CHUNK + tl.arange(0, CHUNK)
+        bins = tl.arange(0, NUM_BINS)
+        if valid_slots <= FEW_SLOTS:
+            # The GEMMs take the few-slot path (and count its dropped ids): no layout, no M-block.
+            if pid == 0:
+                tl.store(num_blocks_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+        elif valid_slots <= CHUNK:
+            # One chunk holds every valid slot (decode, or a padded batch with few valid rows: decided
+            # on the device, so a graph captured for many rows replays few at decode cost). Program 0
+            # does it all from its own histogram: no counter, no ticket, no scatter launch.
+            if pid == 0:
+                expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
+                counts = _count_alone(expert, served, bins, num_experts, counts_ptr, NUM_BINS, ATOMIC_COUNT)
+                if valid_slots <= SMALL_SLOTS:
+                    # Few valid slots in a batch tuned for many: the small-batch tiles' layout, whose
+                    # GEMM launches run while the main ones find 0 blocks (and the reverse otherwise).
+                    _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr + 1,
+                                  sorted_slots_ptr, BLOCK_M_SMALL, NUM_BINS, FILL)
+                    tl.store(num_blocks_ptr, 0)
+                else:
+                    _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr,
+                                  sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL)
+                    tl.store(num_blocks_ptr + 1, 0)
+                if HAS_HEALTH:
+                    tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
+                # cursor was stored by other threads of this program: order those stores first.
+                tl.debug_barrier()
+                _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
+        else:
+            if pid * CHUNK < valid_slots:
+                expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
+                # Slots that are not served land in bin E, which is dropped.
+                hist = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
+                tl.atomic_add(counts_ptr + bins, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
+                if HAS_HEALTH:
+                    tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
+            # Every thread's count atomics are ordered before the ticket by this barrier and the
+            # ticket's release; the last program's acquire then sees all of them.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+            if ticket == tl.num_programs(0) - 1:
+                # Read-and-reset at L2 (never a stale L1 line): counters are zero again for the next call.
+                counts = tl.atomic_xchg(counts_ptr + bins, 0, mask=bins < num_experts, sem="relaxed")
                 _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr,
                               sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL)
                 tl.store(num_blocks_ptr + 1, 0)
-            if HAS_HEALTH:
-                tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
-            # cursor was stored by other threads of this program: order those stores first.
-            tl.debug_barrier()
-            _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
-    else:
-        if pid * CHUNK < valid_slots:
-            expert, served, in_rows = _load_chunk(ids_ptr, slots, valid_slots, num_experts)
-            # Slots that are not served land in bin E, which is dropped.
-            hist = tl.histogram(tl.where(served, expert, num_experts), NUM_BINS)
-            tl.atomic_add(counts_ptr + bins, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
-            if HAS_HEALTH:
-                tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
-        # Every thread's count atomics are ordered before the ticket by this barrier and the
-        # ticket's release; the last program's acquire then sees all of them.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
-            # Read-and-reset at L2 (never a stale L1 line): counters are zero again for the next call.
-            counts = tl.atomic_xchg(counts_ptr + bins, 0, mask=bins < num_experts, sem="relaxed")
-            _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr,
-                          sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL)
-            tl.store(num_blocks_ptr + 1, 0)
-            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+                tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
 
 
 @triton.jit
@@ -240,14 +272,20 @@ def dispatch_into(
     small: tuple[int, int] | None = None,
     few_slots: int = -1,
     use_pdl: bool = False,
-) -> None:
+    quantize_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+) -> bool:
     """Build the padded expert-sorted layout for `ids` into the workspace views (no allocation).
 
     small: (block_m, max slots) of the small-batch tiles: when num_valid * K <= max slots (read on
     the device) the layout uses that block_m and its count goes to num_blocks[1], else num_blocks[0]
     (the other one is set to 0). few_slots (-1: none): when num_valid * K <= few_slots (read on the device)
     the GEMMs take the few-slot path (kernels/experts.py): no layout is built, both block counts
-    are set to 0, and the dropped ids are the GEMMs' to count."""
+    are set to 0, and the dropped ids are the GEMMs' to count.
+
+    quantize_x: (x, xq, x_scale, group_len) of the fp8 path. When one program builds the layout
+    (T*K <= ALONE_SLOTS: decode), x's rows below num_valid are quantised by more programs of the same
+    launch (act_quant.quantize_items; the same bits as act_quant.quantize_rows_into), and the
+    return is True; otherwise nothing is quantised here and the return is False."""
     num_tokens, top_k = ids.shape
     slots = num_tokens * top_k
     if slots == 0:
@@ -262,18 +300,26 @@ def dispatch_into(
     has_nv_ptr = num_valid.tensor is not None
     nv_ptr = num_valid.tensor if has_nv_ptr else ids
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
-    # grid: one program per CHUNK slots of [T * K]
-    _count_kernel[(grid,)](
+    num_warps = ALONE_WARPS if wide else 4
+    lent: dict[str, object] = {"x_ptr": ids, "xq_ptr": ids, "x_scale_ptr": ids, "x_row_len": 0,
+                               "x_group_len": 0, "x_num_groups": 0}
+    quant_programs = 0
+    if quantize_x is not None and grid == 1 and FUSE_X_QUANT:
+        quant_programs, lent = lent_rows_quantisation(*quantize_x, num_warps)
+        lent["QUANT_X"] = True
+    # grid: one program per CHUNK slots of [T * K] (and the programs that quantise x)
+    _count_kernel[(grid + quant_programs,)](
         ids, nv_ptr,
         views.counts, views.ticket, views.cursor, views.block_end, views.num_blocks, views.sorted_slots,
-        health if health is not None else ids,
-        nv_count, num_tokens, num_experts, top_k,
+        health if health is not None else ids, lent.pop("x_ptr"), lent.pop("xq_ptr"), lent.pop("x_scale_ptr"),
+        nv_count, num_tokens, num_experts, lent.pop("x_row_len"), lent.pop("x_group_len"),
+        lent.pop("x_num_groups"), top_k,
         BLOCK_M=block_m, BLOCK_M_SMALL=small[0] if small else block_m,
         SMALL_SLOTS=min(small[1], chunk, CHUNK) if small else -1, FEW_SLOTS=few_slots, CHUNK=chunk,
         NUM_BINS=bins, ATOMIC_COUNT=wide and bins >= ATOMIC_COUNT_BINS,
         FILL=min(block_m, small[0] if small else block_m, _PADDING_FILL),
-        HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl,
-        num_warps=ALONE_WARPS if wide else 4, **launch_options(use_pdl),
+        HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl, **lent,
+        num_warps=num_warps, **launch_options(use_pdl),
     )
     if grid > 1:
         _scatter_kernel[(grid,)](
@@ -282,6 +328,7 @@ def dispatch_into(
             CHUNK=CHUNK, HAS_NUM_VALID_PTR=has_nv_ptr, USE_PDL=use_pdl,
             num_warps=4, **launch_options(use_pdl),
         )
+    return quant_programs > 0
 
 
 @dataclass

@@ -1479,8 +1479,6 @@ def experts_triton(
     if fp8 is not None:
         group = FP8_BLOCK if fp8.mode == "block" else None
         operands = Fp8Operands(fp8, workspace.fp8_views(num_tokens, num_experts, top_k, hidden, inter, group))
-        quantize_rows_into(x, operands.views.x, operands.views.x_scale, group or hidden, num_valid,
-                           use_pdl=use_pdl)
     few = None
     if few_config is not None:
         only = num_tokens * top_k <= FEW_SLOTS
@@ -1489,9 +1487,17 @@ def experts_triton(
             # Every call takes the few-slot path: its tiles alone, no dispatch, no small tiles.
             config, small_config, small = few_config, None, None
             use_pdl = config.pdl and x.device.type == "cuda" and pdl_supported()
+    quantize_x = None
+    if operands is not None:
+        quantize_x = (x, operands.views.x, operands.views.x_scale, operands.group or hidden)
+    x_quantised = False
     if few is None or not few.only:
-        dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small,
-                      few_slots=FEW_SLOTS if few is not None else -1, use_pdl=use_pdl)
+        # fp8: a decode step's dispatch launch quantises x in programs of its own (its return says)
+        x_quantised = dispatch_into(ids, num_experts, num_valid, config.block_m, views, health, small=small,
+                                    few_slots=FEW_SLOTS if few is not None else -1, use_pdl=use_pdl,
+                                    quantize_x=quantize_x)
+    if quantize_x is not None and not x_quantised:
+        quantize_rows_into(*quantize_x, num_valid, use_pdl=use_pdl)
     rowwise = batch_invariant and interpreter_enabled()
     # The small-batch tiles in the GEMMs' own launch (config.one_launch) or in a second launch each.
     merged = small_config if small_config is not None and config.one_launch else None
