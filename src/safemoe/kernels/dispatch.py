@@ -311,9 +311,8 @@ def dispatch_into(
     _count_kernel[(grid + quant_programs,)](
         ids, nv_ptr,
         views.counts, views.ticket, views.cursor, views.block_end, views.num_blocks, views.sorted_slots,
-        health if health is not None else ids, lent.pop("x_ptr"), lent.pop("xq_ptr"), lent.pop("x_scale_ptr"),
-        nv_count, num_tokens, num_experts, lent.pop("x_row_len"), lent.pop("x_group_len"),
-        lent.pop("x_num_groups"), top_k,
+        health if health is not None else ids,
+        num_valid_count=nv_count, num_tokens=num_tokens, num_experts=num_experts, TOP_K=top_k,
         BLOCK_M=block_m, BLOCK_M_SMALL=small[0] if small else block_m,
         SMALL_SLOTS=min(small[1], chunk, CHUNK) if small else -1, FEW_SLOTS=few_slots, CHUNK=chunk,
         NUM_BINS=bins, ATOMIC_COUNT=wide and bins >= ATOMIC_COUNT_BINS,
