@@ -312,4 +312,3 @@ def run_compiled(module: str, expression: str, timeout: int = 900) -> str:
                           timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
-

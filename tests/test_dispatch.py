@@ -15,7 +15,7 @@ import torch
 from helpers import STALE_ID, by_device, garbage_ids
 from safemoe._checks import NumValid
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
-from safemoe.kernels.dispatch import ALONE_SLOTS, ATOMIC_COUNT_BINS, CHUNK, dispatch_triton
+from safemoe.kernels.dispatch import ALONE_SLOTS, ATOMIC_COUNT_BINS, CHUNK, dispatch_into, dispatch_triton
 from safemoe.reference import dispatch_reference
 from safemoe.workspace import Workspace, capacity, max_m_blocks
 
@@ -186,3 +186,50 @@ def test_wide_chunk_one_program(device: str, num_tokens: int, top_k: int, num_ex
     for _ in range(2):
         health = new_health_tensor(device)
         _check_layout(ids, num_experts, nv, 32, ws=ws, health=health)
+
+
+@pytest.mark.parametrize("bad", ["rows", "x_dtype", "xq_dtype", "xq_shape", "scale_groups", "group_len",
+                                 "non_contiguous"])
+def test_quantize_x_rejected_before_any_launch(bad: str) -> None:
+    """dispatch_into's quantize_x (x, xq, x_scale, group_len) is checked on the host, before any
+    kernel: a wrong shape, dtype, group count or layout names the argument."""
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    ws = Workspace(4, 8, 2, 256, 16, torch.bfloat16, torch.device("cpu"))
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    xq = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
+    scale = torch.zeros(4, 2)
+    group = 128
+    if bad == "rows":
+        x, xq = x[:3], xq[:3]
+    elif bad == "x_dtype":
+        x = x.float()
+    elif bad == "xq_dtype":
+        xq = xq.view(torch.uint8)
+    elif bad == "xq_shape":
+        xq = xq[:, :128]
+    elif bad == "scale_groups":
+        scale = torch.zeros(4, 1)
+    elif bad == "group_len":
+        group = 0
+    else:
+        x = torch.zeros(256, 4, dtype=torch.bfloat16).t()
+    views = ws.views(4, 8, 2, 256, 16)
+    views.num_blocks.fill_(-7)  # every dispatch launch writes it
+    with pytest.raises(ValueError, match="quantize_x"):
+        dispatch_into(ids, 8, NumValid(4, None), 16, views, None, quantize_x=(x, xq, scale, group))
+    assert bool((views.num_blocks == -7).all()), "a kernel ran"
+
+
+def test_quantize_x_accepted_when_well_formed() -> None:
+    """The inputs test_quantize_x_rejected_before_any_launch spoils, as they are: accepted (the
+    launch writes the layout, and x's codes and scales)."""
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    ws = Workspace(4, 8, 2, 256, 16, torch.bfloat16, torch.device("cpu"))
+    views = ws.views(4, 8, 2, 256, 16)
+    views.num_blocks.fill_(-7)
+    x = torch.ones(4, 256, dtype=torch.bfloat16)
+    xq = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
+    scale = torch.zeros(4, 2)
+    assert dispatch_into(ids, 8, NumValid(4, None), 16, views, None, quantize_x=(x, xq, scale, 128))
+    assert not bool((views.num_blocks == -7).any())
+    assert bool((scale > 0).all()) and bool((xq.float() > 0).all())

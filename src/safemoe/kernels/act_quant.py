@@ -228,23 +228,17 @@ def _grid(items: int, device: torch.device) -> tuple[int]:
     return (persistent_grid(items, device, programs_per_sm=8),)
 
 
-def lent_rows_quantisation(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_len: int,
-                           num_warps: int) -> tuple[int, dict[str, object]]:
-    """(programs, arguments) for quantising src [T, C] rows below num_valid into q and scale (as
-    quantize_rows_into) in programs another launch of `num_warps` warps lends (they call
-    quantize_items; the lender supplies num_valid). The tiles fit those warps; a group's codes do
-    not depend on its tile, so the bits are quantize_rows_into's."""
+def lent_rows_tiles(src: torch.Tensor, scale: torch.Tensor, group_len: int,
+                    num_warps: int) -> tuple[int, int, int, bool]:
+    """(programs, BLOCK_R, BLOCK_C, ONE_CHUNK) for quantising src [T, C] rows below num_valid into
+    scale's groups (as quantize_rows_into) in programs another launch of `num_warps` warps lends
+    (they call quantize_items; the lender supplies num_valid and the pointers). The tiles fit those
+    warps; a group's codes do not depend on its tile, so the bits are quantize_rows_into's."""
     num_rows, row_len = src.shape
-    group_len = min(group_len, row_len)
-    block_r, block_c, one_chunk, _ = _tiles(group_len)
+    block_r, block_c, one_chunk, _ = _tiles(min(group_len, row_len))
     if one_chunk:
         block_r = max(1, min(block_r, 256 * num_warps // block_c))
-    programs = _grid(cdiv(num_rows, block_r) * scale.shape[1], src.device)[0]
-    return programs, {
-        "x_ptr": src, "xq_ptr": q, "x_scale_ptr": scale, "x_row_len": row_len, "x_group_len": group_len,
-        "x_num_groups": scale.shape[1], "X_BLOCK_R": block_r, "X_BLOCK_C": block_c, "X_ONE_CHUNK": one_chunk,
-        "NATIVE_CAST": not interpreter_enabled(),
-    }
+    return _grid(cdiv(num_rows, block_r) * scale.shape[1], src.device)[0], block_r, block_c, one_chunk
 
 
 def quantize_rows_into(src: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_len: int,

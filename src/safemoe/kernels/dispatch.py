@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from safemoe._checks import NumValid
-from safemoe.kernels.act_quant import lent_rows_quantisation, quantize_items
+from safemoe._triton import interpreter_enabled
+from safemoe.kernels.act_quant import lent_rows_tiles, quantize_items
 from safemoe.kernels.launch import (
     cdiv,
     launch_options,
@@ -261,6 +262,29 @@ def _scatter_kernel(
         _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
 
 
+def _check_quantize_x(quantize_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                      ids: torch.Tensor) -> None:
+    """dispatch_into's quantize_x, before any launch: x [T, H] bf16/fp16 with ids' T and device, xq
+    the same shape in float8_e4m3fn, x_scale [T, ceil(H / group_len)] float32, group_len >= 1."""
+    x, xq, x_scale, group_len = quantize_x
+    num_tokens = ids.shape[0]
+    if x.dim() != 2 or x.shape[0] != num_tokens or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"quantize_x: x must be [T={num_tokens}, H] bf16/fp16, "
+                         f"got {tuple(x.shape)} {x.dtype}")
+    if not isinstance(group_len, int) or group_len < 1:
+        raise ValueError(f"quantize_x: group_len must be an int >= 1, got {group_len!r}")
+    groups = -(-x.shape[1] // min(group_len, x.shape[1]))
+    if xq.shape != x.shape or xq.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"quantize_x: xq must be {tuple(x.shape)} float8_e4m3fn, "
+                         f"got {tuple(xq.shape)} {xq.dtype}")
+    if x_scale.shape != (num_tokens, groups) or x_scale.dtype != torch.float32:
+        raise ValueError(f"quantize_x: x_scale must be ({num_tokens}, {groups}) float32, "
+                         f"got {tuple(x_scale.shape)} {x_scale.dtype}")
+    for name, tensor in (("x", x), ("xq", xq), ("x_scale", x_scale)):
+        if tensor.device != ids.device or not tensor.is_contiguous():
+            raise ValueError(f"quantize_x: {name} must be contiguous on {ids.device}, got {tensor.device}")
+
+
 def dispatch_into(
     ids: torch.Tensor,  # [T, K] int32
     num_experts: int,
@@ -292,6 +316,8 @@ def dispatch_into(
         raise ValueError("dispatch_into needs T >= 1 (the caller returns early for T = 0)")
     if slots >= 2**31 or capacity(num_tokens, num_experts, top_k) >= 2**31:
         raise ValueError(f"T*K = {slots} slots are past int32 indexing; split the batch")
+    if quantize_x is not None:
+        _check_quantize_x(quantize_x, ids)
     grid = 1 if slots <= ALONE_SLOTS else cdiv(slots, CHUNK)
     # A single program takes just the (power-of-two) slots there are: less to histogram at decode.
     chunk = max(16, next_power_of_2(slots)) if grid == 1 else CHUNK
@@ -301,12 +327,17 @@ def dispatch_into(
     nv_ptr = num_valid.tensor if has_nv_ptr else ids
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
     num_warps = ALONE_WARPS if wide else 4
+    # x's quantisation in this launch's other programs (placeholders without it: never read)
     lent: dict[str, object] = {"x_ptr": ids, "xq_ptr": ids, "x_scale_ptr": ids, "x_row_len": 0,
                                "x_group_len": 0, "x_num_groups": 0}
     quant_programs = 0
     if quantize_x is not None and grid == 1 and FUSE_X_QUANT:
-        quant_programs, lent = lent_rows_quantisation(*quantize_x, num_warps)
-        lent["QUANT_X"] = True
+        x, xq, x_scale, group_len = quantize_x
+        quant_programs, block_r, block_c, one_chunk = lent_rows_tiles(x, x_scale, group_len, num_warps)
+        lent = {"x_ptr": x, "xq_ptr": xq, "x_scale_ptr": x_scale, "x_row_len": x.shape[1],
+                "x_group_len": min(group_len, x.shape[1]), "x_num_groups": x_scale.shape[1], "QUANT_X": True,
+                "X_BLOCK_R": block_r, "X_BLOCK_C": block_c, "X_ONE_CHUNK": one_chunk,
+                "NATIVE_CAST": not interpreter_enabled()}
     # grid: one program per CHUNK slots of [T * K] (and the programs that quantise x)
     _count_kernel[(grid + quant_programs,)](
         ids, nv_ptr,
