@@ -84,6 +84,11 @@ How it searches (per model shape and token bucket T):
    block_k <= 128 (a K step inside one 128-wide scale group, as `get_config` enforces). The
    few-slot path takes no fp8 weights and one_launch is not timed: candidates carry few off, and
    winners one_launch off. A winner is checked against `experts_fp8_reference` (FP8_CHECK_TOLERANCE).
+   A winner replacing the incumbent of a bucket whose graph replays padded decode steps
+   (SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS) must also leave the bucket's own padded steps
+   (SMALL_BATCH_TOKENS rows and one row) within ONE_LAUNCH_TOLERANCE, timed both ways in
+   ONE_LAUNCH_ROUNDS interleaved rounds (`padded_steps_hold`; the entry records them as
+   `padded_us`), else the incumbent stays.
 Results: OUT_DIR/tune_log.json (winners, with their times, `one_launch_us`, and every timing in
 `log`) and, with --write, merged into src/safemoe/configs/<device>.json (per bucket; other buckets,
 shapes and top-level keys such as "batch_invariant" and "notes" are kept).
@@ -1140,6 +1145,57 @@ def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case,
     return incumbent, incumbent_us, timings
 
 
+def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[str, Any]], deadline: float
+                      ) -> tuple[ExpertsConfig, float, dict[str, dict[str, float]] | None]:
+    """(config, us, padded-step timings) to write for an fp8 bucket whose graph also replays padded
+    decode steps (SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS): the winner `cfg`, unless it replaces
+    the incumbent and the bucket's own padded steps (num_valid = SMALL_BATCH_TOKENS, the small
+    tiles, and 1), timed with each config and its small tiles for ONE_LAUNCH_ROUNDS interleaved
+    rounds, get slower by more than ONE_LAUNCH_TOLERANCE (`dependents_allow`), or cannot be
+    timed: then the incumbent, with its own time from the bucket's ranking. The bf16 search has
+    its padded-step rules (`prefer_fast_padded_step`, `check_dependents`); fp8 has no few-slot
+    path, and its full-batch winner alone once slowed the padded steps (H200 2026-11-28, Qwen3
+    block T = 256: full batch -0.6%, 8 and 1 valid rows +1.1 / +2.5% in the layer)."""
+    incumbent = case.incumbent
+    if (incumbent is None or cfg == incumbent
+            or not SMALL_BATCH_TOKENS < case.num_tokens <= PDL_MAX_TOKENS):
+        return cfg, us, None
+    incumbent_us = next((t for t, c in case.ranked if c == incumbent), None)
+    if incumbent_us is None:  # not timed among the candidates: nothing to fall back on
+        return cfg, us, None
+    sides = {"incumbent": incumbent, "winner": cfg}
+    steps = (SMALL_BATCH_TOKENS, 1)
+    timings: dict[str, dict[str, float]] = {}
+    for num_valid in steps:
+        medians = _padded_medians(case, sides, num_valid, log, deadline)
+        if medians is None:
+            break
+        timings[f"num_valid={num_valid}"] = medians
+    if len(timings) == len(steps) and dependents_allow(timings):
+        return cfg, us, timings
+    print(f"  {case.name} T={case.num_tokens}: the incumbent stays, its padded steps got slower with "
+          f"the winner: {timings}", flush=True)
+    return incumbent, incumbent_us, timings
+
+
+def _padded_medians(case: Case, sides: dict[str, ExpertsConfig], num_valid: int, log: list[dict[str, Any]],
+                    deadline: float) -> dict[str, float] | None:
+    """{side: median us} of case's bucket with num_valid valid rows under each side's config and its
+    small tiles, ONE_LAUNCH_ROUNDS interleaved rounds; None when the budget runs out or a timing
+    fails."""
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(ONE_LAUNCH_ROUNDS):
+        for side, cfg in sides.items():
+            if time.time() > deadline:
+                return None
+            us = _timed(case, cfg, log, f"padded_{side}", None, small=padded_step_small(case, cfg),
+                        num_valid=num_valid)
+            if us is None:
+                return None
+            times[side].append(us)
+    return {side: round(statistics.median(v), 2) for side, v in times.items()}
+
+
 def time_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int,
                     sources: tuple[ExpertsConfig, ExpertsConfig], found: list[Dependent],
                     table: dict[int, ExpertsConfig], fallback: Callable[[int], ExpertsConfig],
@@ -1733,13 +1789,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cfg, us = best
             checked = None
+            padded = None
             if fp8 is None:
                 cfg, us, checked = check_dependents(name, w13, w2, case, cfg, us, table_entries.get(key, {}),
                                                     log, deadline)
+            else:
+                cfg, us, padded = padded_steps_hold(case, cfg, us, log, deadline)
             data = cfg.to_json()
             data["us"] = round(us, 2)
             if checked is not None:
                 data["dependents_us"] = checked
+            if padded is not None:
+                data["padded_us"] = padded
             winners.setdefault(key, {})[str(token_bucket(num_tokens))] = data
             tuned[token_bucket(num_tokens)] = replace(cfg, extra={"us": us})
             print(f"{name:9s} T={num_tokens:6d} {us:10.1f} us  {json.dumps(cfg.to_json())}", flush=True)

@@ -1004,6 +1004,51 @@ def test_keep_incumbent_within_the_replace_margin():
     assert tune.keep_incumbent([(748.7, rival), (750.0, same)], incumbent)[0][1] is same
 
 
+def test_fp8_winner_must_keep_the_buckets_padded_steps(monkeypatch):
+    """An fp8 winner that replaces the incumbent of a bucket replaying padded decode steps is kept
+    only if both of the bucket's own padded steps (SMALL_BATCH_TOKENS rows with the small tiles, and
+    one row), timed interleaved for ONE_LAUNCH_ROUNDS rounds, stay within ONE_LAUNCH_TOLERANCE (the
+    H200 retune of 2026-11-28 would have written a T = 256 entry +1.1 / +2.5% on them); otherwise
+    the incumbent stays with its ranked time. Nothing is timed for the incumbent itself, for buckets
+    that replay no padded step, or when the incumbent was not ranked."""
+    import math
+    import types
+
+    tune = _load()
+    small = _cfg(16)
+    incumbent, winner = _cfg(32), _cfg(64)
+    calls = []
+
+    def run(padded_us, num_tokens=256, ranked=((180.0, winner), (183.0, incumbent)), cfg=winner):
+        case = types.SimpleNamespace(name="qwen3", num_tokens=num_tokens, small_source=small,
+                                     incumbent=incumbent, ranked=list(ranked))
+
+        def fake_timed(case, cfg, log, sweep, est, small=None, num_valid=None):
+            side = "winner" if cfg == winner else "incumbent"
+            assert sweep == f"padded_{side}" and small is not None
+            calls.append((side, num_valid))
+            return padded_us[side, num_valid]
+
+        monkeypatch.setattr(tune, "_timed", fake_timed)
+        calls.clear()
+        return tune.padded_steps_hold(case, cfg, 180.0, [], math.inf)
+
+    slower = {("incumbent", 8): 79.3, ("winner", 8): 80.2, ("incumbent", 1): 31.6, ("winner", 1): 32.4}
+    cfg, us, timings = run(slower)
+    assert (cfg, us) == (incumbent, 183.0)
+    assert timings == {"num_valid=8": {"incumbent": 79.3, "winner": 80.2},
+                       "num_valid=1": {"incumbent": 31.6, "winner": 32.4}}
+    rounds = tune.ONE_LAUNCH_ROUNDS
+    assert calls == ([("incumbent", 8), ("winner", 8)] * rounds + [("incumbent", 1), ("winner", 1)] * rounds)
+    within = {**slower, ("winner", 8): 79.3 * (1 + tune.ONE_LAUNCH_TOLERANCE) - 0.01, ("winner", 1): 31.0}
+    cfg, us, timings = run(within)
+    assert (cfg, us) == (winner, 180.0) and timings is not None
+    unchecked = ({"num_tokens": 8}, {"num_tokens": 2048}, {"cfg": incumbent}, {"ranked": ((180.0, winner),)})
+    for kwargs in unchecked:
+        cfg, _, timings = run(slower, **kwargs)
+        assert timings is None and calls == [] and cfg == kwargs.get("cfg", winner)
+
+
 def _decode_cfg(gemm2_n: int, few: bool = True) -> ExpertsConfig:
     return ExpertsConfig(16, GemmTiles(32, 256, 1, 4, 4), GemmTiles(gemm2_n, 256, 1, 4, 4), pdl=True, few=few)
 
