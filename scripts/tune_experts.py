@@ -88,7 +88,8 @@ How it searches (per model shape and token bucket T):
    (SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS) must also leave the bucket's own padded steps
    (SMALL_BATCH_TOKENS rows and one row) within ONE_LAUNCH_TOLERANCE, timed both ways in
    ONE_LAUNCH_ROUNDS interleaved rounds (`padded_steps_hold`; the entry records them as
-   `padded_us`), else the incumbent stays.
+   `padded_us`), else the incumbent stays; then the other buckets' padded steps that run its tiles,
+   as in step 3, on fp8 weights.
 Results: OUT_DIR/tune_log.json (winners, with their times, `one_launch_us`, and every timing in
 `log`) and, with --write, merged into src/safemoe/configs/<device>.json (per bucket; other buckets,
 shapes and top-level keys such as "batch_invariant" and "notes" are kept).
@@ -1129,12 +1130,13 @@ def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case,
     bucket = token_bucket(case.num_tokens)
 
     def fallback(tokens: int) -> ExpertsConfig:
-        return heuristic_tiles(name, tokens, None)
+        return heuristic_tiles(name, tokens, case.quant)
 
     found = dependents(bucket, top_k, (incumbent, cfg), table, fallback)
     if not found:
         return cfg, us, None
-    timings = time_dependents(name, w13, w2, bucket, (incumbent, cfg), found, table, fallback, log, deadline)
+    timings = time_dependents(name, w13, w2, bucket, (incumbent, cfg), found, table, fallback, log, deadline,
+                              fp8=case.fp8)
     if timings is not None and dependents_allow(timings):
         return cfg, us, timings
     incumbent_us = next((t for t, c in case.ranked if c == incumbent), None)
@@ -1199,14 +1201,16 @@ def _padded_medians(case: Case, sides: dict[str, ExpertsConfig], num_valid: int,
 def time_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int,
                     sources: tuple[ExpertsConfig, ExpertsConfig], found: list[Dependent],
                     table: dict[int, ExpertsConfig], fallback: Callable[[int], ExpertsConfig],
-                    log: list[dict[str, Any]], deadline: float) -> dict[str, dict[str, float]] | None:
+                    log: list[dict[str, Any]], deadline: float, fp8: Any = None
+                    ) -> dict[str, dict[str, float]] | None:
     """{step: {"incumbent": us, "winner": us}}: each dependent padded step timed with `bucket`'s
     entry as sources[0] (the incumbent) and sources[1] (the winner), ONE_LAUNCH_ROUNDS interleaved
-    rounds, medians; None when the budget runs out or a timing fails."""
+    rounds, medians; None when the budget runs out or a timing fails. fp8: the Fp8Weights of
+    w13 / w2 when they are fp8 (the steps then run the fp8 path, as the tuned bucket's did)."""
     _, top_k, _, _ = SHAPES[name]
     result: dict[str, dict[str, float]] = {}
     for dep in found:
-        case = Case(name, w13, w2, dep.bucket)
+        case = Case(name, w13, w2, dep.bucket, fp8=fp8)
         est = estimate_us(name, dep.num_valid)
         tiles = [tiles_with({**table, bucket: source}, dep.config, dep.bucket, top_k, fallback)
                  for source in sources]
@@ -1788,13 +1792,12 @@ def main(argv: list[str] | None = None) -> int:
             if best is None:
                 continue
             cfg, us = best
-            checked = None
             padded = None
-            if fp8 is None:
-                cfg, us, checked = check_dependents(name, w13, w2, case, cfg, us, table_entries.get(key, {}),
-                                                    log, deadline)
-            else:
+            if fp8 is not None:
                 cfg, us, padded = padded_steps_hold(case, cfg, us, log, deadline)
+            # other buckets' padded steps that run this bucket's small-batch or few-slot tiles
+            cfg, us, checked = check_dependents(name, w13, w2, case, cfg, us, table_entries.get(key, {}),
+                                                log, deadline)
             data = cfg.to_json()
             data["us"] = round(us, 2)
             if checked is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -1049,6 +1050,41 @@ def test_fp8_winner_must_keep_the_buckets_padded_steps(monkeypatch):
         assert timings is None and calls == [] and cfg == kwargs.get("cfg", winner)
 
 
+def test_dependents_of_an_fp8_bucket_run_on_fp8_weights(monkeypatch):
+    """The padded steps of larger buckets that run an fp8 bucket's small-batch tiles are timed on
+    the fp8 path (the tuned case's Fp8Weights reach their Case), with the fp8 heuristic where no
+    bucket serves a T: before, the fp8 search skipped them."""
+    import math
+
+    tune = _load()
+    made, fallbacks = [], []
+
+    class FakeCase:
+        def __init__(self, name, w13, w2, num_tokens, seed=0, fp8=None, **kwargs):
+            made.append((num_tokens, fp8))
+
+    monkeypatch.setattr(tune, "Case", FakeCase)
+    monkeypatch.setattr(tune, "_timed", lambda *args, **kwargs: 10.0)
+    weights = object()
+    dep = tune.Dependent(64, _cfg(32), tune.SMALL_BATCH_TOKENS)
+    out = tune.time_dependents("qwen3", None, None, 8, (_cfg(16), _cfg(16)), [dep], {8: _cfg(16)},
+                               lambda tokens: _cfg(16), [], math.inf, fp8=weights)
+    assert made == [(64, weights)]
+    assert out == {f"T=64 num_valid={tune.SMALL_BATCH_TOKENS}": {"incumbent": 10.0, "winner": 10.0}}
+
+    def fake_time(name, w13, w2, bucket, sources, found, table, fallback, log, deadline, fp8=None):
+        fallbacks.append((fp8, fallback(4096)))
+        return {"step": {"incumbent": 10.0, "winner": 10.0}}
+
+    monkeypatch.setattr(tune, "time_dependents", fake_time)
+    old, new = _cfg(16), ExpertsConfig(16, GemmTiles(64, 128), GemmTiles(64, 64))
+    table = {8: old, 64: _cfg(32)}
+    case = types.SimpleNamespace(name="qwen3", num_tokens=8, incumbent=old, quant="block", fp8=weights,
+                                 ranked=[(70.0, new), (71.0, old)])
+    assert tune.check_dependents("qwen3", None, None, case, new, 70.0, table, [], math.inf)[0] == new
+    assert fallbacks == [(weights, tune.heuristic_tiles("qwen3", 4096, "block"))]
+
+
 def _decode_cfg(gemm2_n: int, few: bool = True) -> ExpertsConfig:
     return ExpertsConfig(16, GemmTiles(32, 256, 1, 4, 4), GemmTiles(gemm2_n, 256, 1, 4, 4), pdl=True, few=few)
 
@@ -1102,7 +1138,7 @@ def test_check_dependents_keeps_the_incumbent_when_a_served_step_slows(monkeypat
     table = {1: _decode_cfg(32), 8: old, 64: _cfg(32), 1024: _cfg(128)}
 
     class Case:
-        name, num_tokens, incumbent = "tiny", 8, old
+        name, num_tokens, incumbent, quant, fp8 = "tiny", 8, old, None, None
 
         def __init__(self):
             self.ranked = [(748.7, new), (751.3, old)]
@@ -1112,7 +1148,8 @@ def test_check_dependents_keeps_the_incumbent_when_a_served_step_slows(monkeypat
     same = {step: {"incumbent": 247.4, "winner": 248.0}}
     calls = []
 
-    def fake_time(name, w13, w2, bucket, sources, found, table_, fallback, log, deadline):
+    def fake_time(name, w13, w2, bucket, sources, found, table_, fallback, log, deadline, fp8=None):
+        assert fp8 is None  # bf16 weights: the steps run bf16
         calls.append((bucket, sources, sorted((d.bucket, d.num_valid) for d in found)))
         return result
 
