@@ -15,4 +15,6 @@ timeout 100 python scripts/debug/decode_timeline.py quant=block qwen3:64 qwen3:2
 mkdir -p "$OUT/ncu"
 OUT="$OUT/ncu" timeout 150 bash scripts/debug/ncu_layer.sh "qwen3 256 block" "qwen3 256" "qwen3 64 block" \
   2>&1 | tee "$OUT/ncu.txt"
+# the device tool returns a limited number of files: the CSVs come back as one archive
+tar czf "$OUT/ncu.tar.gz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
 date -u
