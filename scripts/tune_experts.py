@@ -1169,7 +1169,8 @@ def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[
     steps = (SMALL_BATCH_TOKENS, 1)
     timings: dict[str, dict[str, float]] = {}
     for num_valid in steps:
-        medians = _padded_medians(case, sides, num_valid, log, deadline)
+        medians = time_candidates(case, sides, "padded_{name}", log, deadline, None, num_valid=num_valid,
+                                  small=lambda side_cfg: padded_step_small(case, side_cfg))
         if medians is None:
             break
         timings[f"num_valid={num_valid}"] = medians
@@ -1178,24 +1179,6 @@ def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[
     print(f"  {case.name} T={case.num_tokens}: the incumbent stays, its padded steps got slower with "
           f"the winner: {timings}", flush=True)
     return incumbent, incumbent_us, timings
-
-
-def _padded_medians(case: Case, sides: dict[str, ExpertsConfig], num_valid: int, log: list[dict[str, Any]],
-                    deadline: float) -> dict[str, float] | None:
-    """{side: median us} of case's bucket with num_valid valid rows under each side's config and its
-    small tiles, ONE_LAUNCH_ROUNDS interleaved rounds; None when the budget runs out or a timing
-    fails."""
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    for _ in range(ONE_LAUNCH_ROUNDS):
-        for side, cfg in sides.items():
-            if time.time() > deadline:
-                return None
-            us = _timed(case, cfg, log, f"padded_{side}", None, small=padded_step_small(case, cfg),
-                        num_valid=num_valid)
-            if us is None:
-                return None
-            times[side].append(us)
-    return {side: round(statistics.median(v), 2) for side, v in times.items()}
 
 
 def time_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int,
@@ -1432,15 +1415,20 @@ def choose_engine(medians: dict[str, float], margin: float = ENGINE_MARGIN) -> s
 
 
 def time_candidates(case: Case, candidates: dict[str, ExpertsConfig], label: str, log: list[dict[str, Any]],
-                    deadline: float, est_us: float | None) -> dict[str, float] | None:
-    """Median us of each candidate at case's T over ONE_LAUNCH_ROUNDS interleaved rounds; None when
-    the budget runs out or a timing fails."""
+                    deadline: float, est_us: float | None, *, num_valid: int | None = None,
+                    small: Callable[[ExpertsConfig], ExpertsConfig | None] | None = None
+                    ) -> dict[str, float] | None:
+    """Median us of each candidate at case's T (with `num_valid` valid rows, and `small(candidate)`
+    as its small-batch tiles, when given) over ONE_LAUNCH_ROUNDS interleaved rounds; None when the
+    budget runs out or a timing fails. `label` names the log's sweep ("{name}" in it: the
+    candidate's name)."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(ONE_LAUNCH_ROUNDS):
         for name, candidate in candidates.items():
             if time.time() > deadline:
                 return None
-            us = _timed(case, candidate, log, label, est_us)
+            us = _timed(case, candidate, log, label.format(name=name), est_us,
+                        small=small(candidate) if small is not None else None, num_valid=num_valid)
             if us is None:
                 return None
             times[name].append(us)

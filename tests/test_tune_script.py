@@ -1013,7 +1013,6 @@ def test_fp8_winner_must_keep_the_buckets_padded_steps(monkeypatch):
     the incumbent stays with its ranked time. Nothing is timed for the incumbent itself, for buckets
     that replay no padded step, or when the incumbent was not ranked."""
     import math
-    import types
 
     tune = _load()
     small = _cfg(16)
