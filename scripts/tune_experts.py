@@ -39,7 +39,12 @@ How it searches (per model shape and token bucket T):
    padded decode steps through its own launches (few-slot path compiled in, T*K > FEW_SLOTS), the
    distinct candidates within ONE_LAUNCH_TOLERANCE of the fastest full batch are also timed with
    one valid row (a candidate with a larger BLOCK_M than the small-batch tiles together with those
-   tiles, as the call runs it), and the fastest of those wins (`prefer_fast_padded_step`).
+   tiles, as the call runs it), and the fastest of those wins (`prefer_fast_padded_step`). That
+   ranking never includes the incumbent, so a winner that replaces it in a bucket with
+   SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS must also leave the bucket's own padded steps
+   (SMALL_BATCH_TOKENS rows and one row) within ONE_LAUNCH_TOLERANCE, timed both ways in
+   ONE_LAUNCH_ROUNDS interleaved rounds (`padded_steps_hold`; the entry records them as
+   `padded_us`), else the incumbent stays.
 4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
@@ -84,12 +89,8 @@ How it searches (per model shape and token bucket T):
    block_k <= 128 (a K step inside one 128-wide scale group, as `get_config` enforces). The
    few-slot path takes no fp8 weights and one_launch is not timed: candidates carry few off, and
    winners one_launch off. A winner is checked against `experts_fp8_reference` (FP8_CHECK_TOLERANCE).
-   A winner replacing the incumbent of a bucket whose graph replays padded decode steps
-   (SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS) must also leave the bucket's own padded steps
-   (SMALL_BATCH_TOKENS rows and one row) within ONE_LAUNCH_TOLERANCE, timed both ways in
-   ONE_LAUNCH_ROUNDS interleaved rounds (`padded_steps_hold`; the entry records them as
-   `padded_us`), else the incumbent stays; then the other buckets' padded steps that run its tiles,
-   as in step 3, on fp8 weights.
+   The padded-step rules of step 3 hold too (`padded_steps_hold`, then the other buckets' padded
+   steps that run its tiles), on fp8 weights.
 Results: OUT_DIR/tune_log.json (winners, with their times, `one_launch_us`, and every timing in
 `log`) and, with --write, merged into src/safemoe/configs/<device>.json (per bucket; other buckets,
 shapes and top-level keys such as "batch_invariant" and "notes" are kept).
@@ -1149,15 +1150,18 @@ def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case,
 
 def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[str, Any]], deadline: float
                       ) -> tuple[ExpertsConfig, float, dict[str, dict[str, float]] | None]:
-    """(config, us, padded-step timings) to write for an fp8 bucket whose graph also replays padded
-    decode steps (SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS): the winner `cfg`, unless it replaces
-    the incumbent and the bucket's own padded steps (num_valid = SMALL_BATCH_TOKENS, the small
-    tiles, and 1), timed with each config and its small tiles for ONE_LAUNCH_ROUNDS interleaved
-    rounds, get slower by more than ONE_LAUNCH_TOLERANCE (`dependents_allow`), or cannot be
-    timed: then the incumbent, with its own time from the bucket's ranking. The bf16 search has
-    its padded-step rules (`prefer_fast_padded_step`, `check_dependents`); fp8 has no few-slot
-    path, and its full-batch winner alone once slowed the padded steps (H200 2026-11-28, Qwen3
-    block T = 256: full batch -0.6%, 8 and 1 valid rows +1.1 / +2.5% in the layer)."""
+    """(config, us, padded-step timings) to write for a bucket whose graph also replays padded
+    decode steps (SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS), bf16 or fp8: the winner `cfg`, unless
+    it replaces the incumbent and the bucket's own padded steps (num_valid = SMALL_BATCH_TOKENS,
+    the small tiles, and 1; the one-row step takes the table's few-slot tiles), timed with each
+    config and its small tiles for ONE_LAUNCH_ROUNDS interleaved rounds, get slower by more than
+    ONE_LAUNCH_TOLERANCE (`dependents_allow`), or cannot be timed: then the incumbent, with its own
+    time from the bucket's ranking. `prefer_fast_padded_step` only ranks the candidates within
+    ONE_LAUNCH_TOLERANCE of the fastest full batch, never against the incumbent, and a full-batch
+    winner alone slowed the padded steps twice on the H200: fp8 Qwen3 block T = 256 (2026-11-28:
+    full batch -0.6%, 8 and 1 valid rows +1.1 / +2.5% in the layer) and bf16 Qwen3-Next T = 256
+    (the wide search of 2026-11-28, session 20: full batch -1.7%, 8 and 1 valid rows +1.6 / +16.9%
+    in the layer, `ab_entry.py`)."""
     incumbent = case.incumbent
     if (incumbent is None or cfg == incumbent
             or not SMALL_BATCH_TOKENS < case.num_tokens <= PDL_MAX_TOKENS):
@@ -1780,9 +1784,7 @@ def main(argv: list[str] | None = None) -> int:
             if best is None:
                 continue
             cfg, us = best
-            padded = None
-            if fp8 is not None:
-                cfg, us, padded = padded_steps_hold(case, cfg, us, log, deadline)
+            cfg, us, padded = padded_steps_hold(case, cfg, us, log, deadline)
             # other buckets' padded steps that run this bucket's small-batch or few-slot tiles
             cfg, us, checked = check_dependents(name, w13, w2, case, cfg, us, table_entries.get(key, {}),
                                                 log, deadline)

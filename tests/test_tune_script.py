@@ -1005,11 +1005,12 @@ def test_keep_incumbent_within_the_replace_margin():
     assert tune.keep_incumbent([(748.7, rival), (750.0, same)], incumbent)[0][1] is same
 
 
-def test_fp8_winner_must_keep_the_buckets_padded_steps(monkeypatch):
-    """An fp8 winner that replaces the incumbent of a bucket replaying padded decode steps is kept
-    only if both of the bucket's own padded steps (SMALL_BATCH_TOKENS rows with the small tiles, and
-    one row), timed interleaved for ONE_LAUNCH_ROUNDS rounds, stay within ONE_LAUNCH_TOLERANCE (the
-    H200 retune of 2026-11-28 would have written a T = 256 entry +1.1 / +2.5% on them); otherwise
+def test_winner_must_keep_the_buckets_padded_steps(monkeypatch):
+    """A winner (bf16 or fp8) that replaces the incumbent of a bucket replaying padded decode steps
+    is kept only if both of the bucket's own padded steps (SMALL_BATCH_TOKENS rows with the small
+    tiles, and one row), timed interleaved for ONE_LAUNCH_ROUNDS rounds, stay within
+    ONE_LAUNCH_TOLERANCE (the H200 retunes of 2026-11-28 would have written a fp8 Qwen3 T = 256
+    entry +1.1 / +2.5% on them, and a bf16 Qwen3-Next T = 256 entry +1.6 / +16.9%); otherwise
     the incumbent stays with its ranked time. Nothing is timed for the incumbent itself, for buckets
     that replay no padded step, or when the incumbent was not ranked."""
     import math

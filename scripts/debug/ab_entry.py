@@ -26,6 +26,7 @@ import torch
 import safemoe
 from safemoe.bench.experts import SHAPES
 from safemoe.bench.harness import time_graph
+from safemoe.bench.layer import SHAPES as LAYER_SHAPES
 from safemoe.configs import ExpertsConfig, load_device_configs, shape_key
 from safemoe.fp8 import quantize_experts
 from safemoe.workspace import Workspace
@@ -35,11 +36,14 @@ VARIANTS = 8
 
 def shape_named(prefix: str) -> tuple[int, int, int, int, str]:
     """(E, K, H, I, activation) of the bench shape whose name starts with `prefix` ("qwen3",
-    "mixtral", "gpt" or "gptoss", "deepseek")."""
-    names = [n for n in SHAPES if n.replace("-", "").startswith(prefix.replace("-", ""))]
-    if len(names) != 1:
-        raise SystemExit(f"shape {prefix!r}: one of {', '.join(SHAPES)} (a prefix will do)")
-    return SHAPES[names[0]]
+    "mixtral", "gpt" or "gptoss", "deepseek"; "qwen3next" for the layer suite's Qwen3-Next, silu)."""
+    shapes = {**{name: (*eki, "silu") for name, eki in LAYER_SHAPES.items()}, **SHAPES}
+    # the experts suite's names first, so "qwen3" stays Qwen3-30B-A3B
+    for table in (SHAPES, shapes):
+        names = [n for n in table if n.replace("-", "").startswith(prefix.replace("-", ""))]
+        if len(names) == 1:
+            return shapes[names[0]]
+    raise SystemExit(f"shape {prefix!r}: one of {', '.join(shapes)} (a prefix will do)")
 
 
 def stand_ins(prefix: str, num_tokens: int, input_sets: int, device: torch.device,
