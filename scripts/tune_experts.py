@@ -1180,8 +1180,9 @@ def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[
         timings[f"num_valid={num_valid}"] = medians
     if len(timings) == len(steps) and dependents_allow(timings):
         return cfg, us, timings
-    print(f"  {case.name} T={case.num_tokens}: the incumbent stays, its padded steps got slower with "
-          f"the winner: {timings}", flush=True)
+    why = ("its padded steps got slower with the winner" if len(timings) == len(steps)
+           else "its padded steps could not be timed (budget spent or a timing failed)")
+    print(f"  {case.name} T={case.num_tokens}: the incumbent stays, {why}: {timings}", flush=True)
     return incumbent, incumbent_us, timings
 
 

@@ -103,26 +103,34 @@ def main() -> None:
     key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16, args.quant)
     table = load_device_configs(torch.cuda.get_device_name(device))  # cached: edits below apply
     other_entries = json.loads(args.other_table.read_text()).get("configs", {}).get(key, {})
-    sides = (("this device's table", table.get(key, {})), (str(args.other_table), other_entries))
-    for where, entries in sides:
-        if args.bucket not in entries and str(args.bucket) not in entries:
-            raise SystemExit(f"{where} has no entry {key} T = {args.bucket}: A/B two entries that exist")
-    ours = table[key][args.bucket]
+    if str(args.bucket) not in other_entries:
+        raise SystemExit(f"{args.other_table} has no entry {key} T = {args.bucket}")
+    if key not in table:
+        raise SystemExit(f"this device's table has no entries for {key}")
+    # absent from this device's table: its side runs what the nearest bucket's entry gives T
+    ours = table[key].get(args.bucket)
     other = ExpertsConfig.from_json(other_entries[str(args.bucket)])
 
     step = layer_step(args.shape, num_tokens, num_valid, device, args.quant)
 
     times: dict[str, list[float]] = {"table": [], "other": []}
+    def put(cfg: ExpertsConfig | None) -> None:
+        if cfg is None:
+            table[key].pop(args.bucket, None)
+        else:
+            table[key][args.bucket] = cfg
+
     for _ in range(args.rounds):
         for side, cfg in (("table", ours), ("other", other)):
-            table[key][args.bucket] = cfg
+            put(cfg)
             times[side].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
-    table[key][args.bucket] = ours
+    put(ours)
     med = {side: statistics.median(v) for side, v in times.items()}
     result = {
         "device": torch.cuda.get_device_name(device), "shape": args.shape, "quant": args.quant,
         "T": num_tokens,
-        "num_valid": num_valid, "bucket": args.bucket, "table": ours.to_json(), "other": other.to_json(),
+        "num_valid": num_valid, "bucket": args.bucket, "table": ours.to_json() if ours else None,
+        "other": other.to_json(),
         "us": times, "median_us": med, "other_over_table": med["other"] / med["table"],
     }
     print(f"{args.shape} {args.quant or 'bf16'} T={num_tokens} num_valid={num_valid}, entry {args.bucket}: "
