@@ -44,7 +44,8 @@ How it searches (per model shape and token bucket T):
    SMALL_BATCH_TOKENS < T <= PDL_MAX_TOKENS must also leave the bucket's own padded steps
    (SMALL_BATCH_TOKENS rows and one row) within ONE_LAUNCH_TOLERANCE, timed both ways in
    ONE_LAUNCH_ROUNDS interleaved rounds (`padded_steps_hold`; the entry records them as
-   `padded_us`), else the incumbent stays.
+   `padded_us`), or save on the full batch PADDED_TRADE times what those steps lose, none by more
+   than PADDED_TRADE_MAX (`padded_trade_allows`), else the incumbent stays.
 4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
@@ -178,6 +179,17 @@ FEW_MAX_TOKENS = 1024
 # +-1.3%), so only a real cost turns it down (there: Qwen3 T=256 +3.5%, DeepSeek-V3 T=2048 +4%),
 # while a padded decode step's ~5 us saving (~10% of Qwen3's) is well above it.
 ONE_LAUNCH_TOLERANCE = 0.01
+# padded_steps_hold: a winner whose own padded steps get slower (beyond ONE_LAUNCH_TOLERANCE) is
+# still kept when the time it saves on one full batch is at least PADDED_TRADE times what it adds
+# to those steps together, and no step is slower by more than PADDED_TRADE_MAX. A bucket replays a
+# step with a few valid rows when data-parallel ranks pad to a common size (one engine's graph
+# takes the smallest bucket that holds its batch), and such a rank then waits for the fullest one.
+# H200 2026-11-28, gpt-oss-120b T = 512: 32-row tiles 1883 -> 1524 us on the full batch (-19%), the
+# one-row step 62.1 -> 67.5 us (+8.7%); the strict rule kept the 256 entry's 16-row tiles. The
+# trades it turned down stay turned down: Qwen3-Next T = 256 (13 us saved, 8 added, one row +16%),
+# fp8 Qwen3 T = 256 (3.7 saved, 1.6 added).
+PADDED_TRADE = 10.0
+PADDED_TRADE_MAX = 0.10
 # An entry field naming why its one_launch was set by hand; --one-launch-only keeps such entries.
 # H100 2026-11-26, Qwen3 T = 1024: the rule above turned the merged launch down (experts only,
 # full batch +1.3%), while the whole layer, 5 interleaved rounds, gave one valid row 45.75 ->
@@ -567,6 +579,16 @@ def dependents_allow(timings: dict[str, dict[str, float]], tolerance: float = ON
     """True when no dependent padded step ({step: {"incumbent": us, "winner": us}}) gets slower by
     more than `tolerance` with the winner's tiles."""
     return all(t["winner"] <= t["incumbent"] * (1.0 + tolerance) for t in timings.values())
+
+
+def padded_trade_allows(saved_us: float, timings: dict[str, dict[str, float]], trade: float = PADDED_TRADE,
+                        limit: float = PADDED_TRADE_MAX) -> bool:
+    """True when a winner that saves `saved_us` on the full batch may make the padded steps of
+    `timings` ({step: {"incumbent": us, "winner": us}}) slower: none by more than `limit`, and
+    all together by at most saved_us / trade."""
+    added = sum(max(0.0, t["winner"] - t["incumbent"]) for t in timings.values())
+    return saved_us >= trade * added and all(
+        t["winner"] <= t["incumbent"] * (1.0 + limit) for t in timings.values())
 
 
 def prefer_fast_padded_step(case: Case, results: list[tuple[float, ExpertsConfig]], log: list[dict[str, Any]],
@@ -1155,8 +1177,9 @@ def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[
     it replaces the incumbent and the bucket's own padded steps (num_valid = SMALL_BATCH_TOKENS,
     the small tiles, and 1; the one-row step takes the table's few-slot tiles), timed with each
     config and its small tiles for ONE_LAUNCH_ROUNDS interleaved rounds, get slower by more than
-    ONE_LAUNCH_TOLERANCE (`dependents_allow`), or cannot be timed: then the incumbent, with its own
-    time from the bucket's ranking. `prefer_fast_padded_step` only ranks the candidates within
+    ONE_LAUNCH_TOLERANCE (`dependents_allow`) without a full-batch saving worth PADDED_TRADE times
+    the loss (`padded_trade_allows`), or cannot be timed: then the incumbent, with its own time
+    from the bucket's ranking. `prefer_fast_padded_step` only ranks the candidates within
     ONE_LAUNCH_TOLERANCE of the fastest full batch, never against the incumbent, and a full-batch
     winner alone slowed the padded steps twice on the H200: fp8 Qwen3 block T = 256 (2026-11-28:
     full batch -0.6%, 8 and 1 valid rows +1.1 / +2.5% in the layer) and bf16 Qwen3-Next T = 256
@@ -1178,7 +1201,8 @@ def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[
         if medians is None:
             break
         timings[f"num_valid={num_valid}"] = medians
-    if len(timings) == len(steps) and dependents_allow(timings):
+    if len(timings) == len(steps) and (dependents_allow(timings)
+                                       or padded_trade_allows(incumbent_us - us, timings)):
         return cfg, us, timings
     why = ("its padded steps got slower with the winner" if len(timings) == len(steps)
            else "its padded steps could not be timed (budget spent or a timing failed)")

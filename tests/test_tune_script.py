@@ -1048,6 +1048,33 @@ def test_winner_must_keep_the_buckets_padded_steps(monkeypatch):
     for kwargs in unchecked:
         cfg, _, timings = run(slower, **kwargs)
         assert timings is None and calls == [] and cfg == kwargs.get("cfg", winner)
+    # a full-batch saving PADDED_TRADE times what the padded steps lose buys them (none > 10% slower)
+    cfg, us, _ = run(slower, ranked=((180.0, winner), (200.0, incumbent)))
+    assert (cfg, us) == (winner, 180.0)
+    too_slow = {**slower, ("winner", 1): 31.6 * (1 + tune.PADDED_TRADE_MAX) + 0.1}
+    cfg, us, _ = run(too_slow, ranked=((180.0, winner), (400.0, incumbent)))
+    assert (cfg, us) == (incumbent, 400.0)
+
+
+def test_padded_trade_allows():
+    """The padded steps' loss is bought by a full-batch saving of at least PADDED_TRADE times it,
+    with no step slower by more than PADDED_TRADE_MAX: the H200 gpt-oss T = 512 winner (358.7 us
+    saved, +1.5 and +5.4 us) passes, Qwen3-Next T = 256's (13.3 saved, +3.8 and +4.3, one row
+    +15.6%) and fp8 Qwen3 T = 256's (3.7 saved, +0.8 and +0.8) do not."""
+    tune = _load()
+    assert (tune.PADDED_TRADE, tune.PADDED_TRADE_MAX) == (10.0, 0.10)
+
+    def steps(eight, one):
+        return {"num_valid=8": dict(zip(("incumbent", "winner"), eight, strict=True)),
+                "num_valid=1": dict(zip(("incumbent", "winner"), one, strict=True))}
+
+    assert tune.padded_trade_allows(358.7, steps((328.51, 330.05), (62.12, 67.52)))
+    assert not tune.padded_trade_allows(13.3, steps((129.56, 133.31), (27.29, 31.56)))
+    assert not tune.padded_trade_allows(1000.0, steps((129.56, 133.31), (27.29, 31.56)))  # +15.6%
+    assert not tune.padded_trade_allows(3.7, steps((76.50, 77.29), (29.60, 30.38)))
+    assert tune.padded_trade_allows(0.0, steps((10.0, 9.0), (5.0, 5.0)))  # nothing lost
+    assert not tune.padded_trade_allows(9.9, steps((10.0, 10.5), (5.0, 5.5)))
+    assert tune.padded_trade_allows(10.0, steps((10.0, 10.5), (5.0, 5.5)))
 
 
 def test_dependents_of_an_fp8_bucket_run_on_fp8_weights(monkeypatch):
