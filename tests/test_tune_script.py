@@ -523,6 +523,46 @@ def test_main_tuning_decides_one_launch_after_the_tiles(monkeypatch, tmp_path):
     assert not any(e["fused"] or "fused_us" in e for e in entries.values())
 
 
+def test_missing_buckets():
+    """Each bucket of the T given whose entry the table lacks, once (the first T asking for it)."""
+    tune = _load()
+    entries = {"1": {}, "8": {}, "256": {}}
+    assert tune.missing_buckets((1, 8, 64, 256, 512, 2048), entries) == (64, 512, 2048)
+    assert tune.missing_buckets((3, 4, 5, 8), entries) == (3,)  # buckets 4, 4, 8, 8; 8 has an entry
+    assert tune.missing_buckets((1, 8), entries) == ()
+    assert tune.missing_buckets((1, 8), {}) == (1, 8)
+
+
+def test_main_missing_tunes_only_the_buckets_without_an_entry(monkeypatch, tmp_path, capsys):
+    """--missing: the search runs only at the buckets (of --tokens or the defaults) the device
+    table lacks; the entries it has stay as they were; nothing to do is not an error; it cannot be
+    combined with the *-only runs, which re-decide existing entries."""
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    kept = {**_cfg(16).to_json(), "us": 9.0}
+    path.write_text(json.dumps({"notes": "kept", "configs": {key: {"8": kept}}}))
+    tuned = []
+
+    def fake_tune(case, log, deadline):
+        tuned.append(case.num_tokens)
+        return _cfg(32), 50.0
+
+    monkeypatch.setattr(tune, "tune_case", fake_tune)
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "tiny", "--tokens", "8,64", "--no-precompile",
+            "--no-one-launch", "--no-fused", "--write", "--missing"]
+    assert tune.main(argv) == 0
+    assert tuned == [64]
+    entries = json.loads(path.read_text())["configs"][key]
+    assert entries["8"] == kept and set(entries) == {"8", "64"}
+    assert "tiny: buckets without an entry: [64]" in capsys.readouterr().out
+    tuned.clear()
+    assert tune.main(argv) == 0 and tuned == []
+    assert "tiny: buckets without an entry: none" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tune.main([*argv[:-3], "--missing", "--one-launch-only"])
+
+
 def test_fused_buckets_and_rule():
     """fused is timed where every call takes the few-slot path (T*K <= 16, few on), and kept only
     when faster by more than FUSED_MARGIN."""
