@@ -519,6 +519,37 @@ def test_nearest_bucket_serves_within_one_octave() -> None:
             nearest_bucket(1, aliased)  # type: ignore[arg-type]
 
 
+def test_heuristic_block_m_follows_the_tuned_tables() -> None:
+    """The heuristic's BLOCK_M is the smallest block above the expected rows an expert, as the
+    tuner found on both device tables: it matches the tuned BLOCK_M of at least 95% of the bf16
+    entries and is never more than one step off (a shape without a table entry gets it)."""
+    import json
+    from pathlib import Path
+
+    from safemoe.configs import heuristic_config
+
+    tokens = (128, 256, 512, 1024, 2048)
+    qwen3 = [heuristic_config(t, 128, 2048, 768, 8, torch.bfloat16).block_m for t in tokens]
+    assert qwen3 == [16, 32, 64, 128, 128]  # 8, 16, 32, 64, 128 rows an expert
+    assert heuristic_config(1024, 128, 2048, 768, 8, torch.bfloat16).few  # a decode bucket's padded steps
+    assert not heuristic_config(2048, 128, 2048, 768, 8, torch.bfloat16).few
+    tables = Path(safemoe.__file__).parent / "configs"
+    pairs = []
+    for path in sorted(tables.glob("NVIDIA_*.json")):
+        for key, entries in json.loads(path.read_text())["configs"].items():
+            if "fp8" in key or not key.endswith("bfloat16"):
+                continue
+            fields = key.split("_")
+            num_experts, hidden, inter, top_k = (int(f[1:]) for f in fields[:4])
+            for bucket, entry in entries.items():
+                heuristic = heuristic_config(int(bucket), num_experts, hidden, inter, top_k, torch.bfloat16)
+                pairs.append((path.name, key, bucket, entry["block_m"], heuristic.block_m))
+    assert len(pairs) > 50
+    off = [p for p in pairs if p[3] != p[4]]
+    assert len(off) <= 0.05 * len(pairs), off
+    assert all(max(t, h) == 2 * min(t, h) for *_, t, h in off), off
+
+
 def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:
     """Main and small-batch tiles for T = 24, H = 48, I = 40 that differ in every constexpr
     (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA on one side only): block_k 16 divides H (EVEN_K), 32 does
