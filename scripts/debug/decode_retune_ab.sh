@@ -9,11 +9,7 @@
 #  3. The fp8 search's check_dependents path on a GPU (CPU-tested only so far), without --write.
 # The tuned table comes back as $OUT/tuned_NVIDIA_*.json.
 #   OUT=/tmp/x bash scripts/debug/decode_retune_ab.sh
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=src:scripts/debug
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader; date -u
-table=$(ls src/safemoe/configs/NVIDIA_H*.json | grep -F "$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' _)")
+source "$(dirname "$0")/device_table.sh"
 cp "$table" "$OUT/committed.json"
 SAFEMOE_TUNE_WIDE=1 timeout 240 python scripts/tune_experts.py --out "$OUT/tune_qwen3next" --shapes qwen3next \
   --tokens 8,64,256 --wide --write --budget-s 140 2>&1 | grep -v -i warn | tail -12

@@ -6,14 +6,10 @@
 # Qwen3-Next's serving buckets T = 128 and 512 (not bench points) re-tuned with the wide lists
 # (the padded-step rule now on for bf16) and A/B'd the same way.
 #   OUT=/tmp/x bash scripts/debug/deepseek_2048_ab.sh TUNED_DEEPSEEK_TABLE.json
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=src:scripts/debug
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader; date -u
+source "$(dirname "$0")/device_table.sh"
 for t in 2048 2048:1 4096 4096:1; do
   timeout 90 python scripts/debug/ab_entry.py deepseek $t 2048 "$1" --rounds 3 2>&1 | grep -v -i warn | tail -1
 done
-table=$(ls src/safemoe/configs/NVIDIA_H*.json | grep -F "$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' _)")
 cp "$table" "$OUT/committed.json"
 SAFEMOE_TUNE_WIDE=1 timeout 170 python scripts/tune_experts.py --out "$OUT/tune_qwen3next_128_512" --shapes qwen3next \
   --tokens 128,512 --wide --write --budget-s 110 2>&1 | grep -v -i warn | tail -8

@@ -6,11 +6,7 @@
 # the prefill buckets were), then the layer bench of DeepSeek-V3 on the written table.
 # The table comes back as $OUT/tuned_NVIDIA_*.json.
 #   OUT=/tmp/x bash scripts/debug/deepseek_2048_tune.sh
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=src:scripts/debug
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader; date -u
-table=$(ls src/safemoe/configs/NVIDIA_H*.json | grep -F "$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' _)")
+source "$(dirname "$0")/device_table.sh"
 timeout 300 python scripts/tune_experts.py --out "$OUT/tune_deepseek_2048" --shapes deepseek --tokens 2048 \
   --write --budget-s 200 2>&1 | grep -v -i warn | tail -8
 timeout 60 python scripts/tune_experts.py --out "$OUT/tune_deepseek_2048_interleave" --shapes deepseek --tokens 2048 \

@@ -6,10 +6,7 @@
 # the whole layer: full batch, 8-row and 1-row padded steps.
 # The same for a second candidate table (the winner with one_launch on), when given.
 #   OUT=/tmp/x bash scripts/debug/gptoss_512_ab.sh CANDIDATE_TABLE.json [SECOND_TABLE.json]
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=src:scripts/debug
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader; date -u
+source "$(dirname "$0")/device_table.sh"
 for other in "$@"; do for t in 512 512:8 512:1; do
   timeout 60 python scripts/debug/ab_entry.py gptoss $t 512 "$other" --rounds 3 2>&1 | grep -v -i warn | tail -1
 done; done

@@ -10,17 +10,13 @@
 #     whose winner the rule should now turn down.
 #  3. The layer bench of Qwen3-Next with the candidate table.
 #   OUT=/tmp/x bash scripts/debug/qwen3next_candidate_ab.sh CANDIDATE.json
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=src:scripts/debug
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader; date -u
+source "$(dirname "$0")/device_table.sh"
 for t in 256 256:8 256:1 64:8; do
   timeout 60 python scripts/debug/ab_entry.py qwen3next $t $(echo ${t%%:*}) "$1" --rounds 5 \
     2>&1 | grep -v -i warn | tail -1
 done
 SAFEMOE_TUNE_WIDE=1 timeout 200 python scripts/tune_experts.py --out "$OUT/tune_qwen3next_256" --shapes qwen3next \
   --tokens 256 --wide --budget-s 150 2>&1 | grep -v -i warn | tail -6
-table=$(ls src/safemoe/configs/NVIDIA_H*.json | grep -F "$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' _)")
 cp "$1" "$table"
 timeout 200 python -m safemoe bench --suite layer --shapes qwen3-next-80b-a3b --out "$OUT/layer" > "$OUT/layer.log" 2>&1
 echo "bench rc=$?"; cat "$OUT/layer/layer_targets.md" 2>/dev/null || tail -20 "$OUT/layer.log"

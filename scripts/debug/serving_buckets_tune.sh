@@ -6,11 +6,7 @@
 # (ab_entry.py; the committed side runs the nearest entry): full batch and one-row padded step.
 # The tuned table comes back as $OUT/tuned_NVIDIA_*.json.
 #   OUT=/tmp/x bash scripts/debug/serving_buckets_tune.sh
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=src:scripts/debug
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader; date -u
-table=$(ls src/safemoe/configs/NVIDIA_H*.json | grep -F "$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' _)")
+source "$(dirname "$0")/device_table.sh"
 cp "$table" "$OUT/committed.json"
 timeout 230 python scripts/tune_experts.py --out "$OUT/tune_serving" --shapes deepseek,gptoss --tokens 512,128 \
   --write --budget-s 170 2>&1 | grep -v -i warn | tail -10
