@@ -45,7 +45,9 @@ How it searches (per model shape and token bucket T):
    (SMALL_BATCH_TOKENS rows and one row) within ONE_LAUNCH_TOLERANCE, timed both ways in
    ONE_LAUNCH_ROUNDS interleaved rounds (`padded_steps_hold`; the entry records them as
    `padded_us`), or save on the full batch PADDED_TRADE times what those steps lose, none by more
-   than PADDED_TRADE_MAX (`padded_trade_allows`), else the incumbent stays.
+   than PADDED_TRADE_MAX (`padded_trade_allows`). Else the winner with one GEMM's tiles of the
+   incumbent (`padded_hybrids`) is tried under the same rules, once faster than the incumbent's full
+   batch by more than the replace margin and checked against the reference; else the incumbent stays.
 4. one_launch (after a shape's tiles; skip with --no-one-launch): every bucket whose winner has
    small-batch tiles (T > SMALL_BATCH_TOKENS and a larger BLOCK_M than the small config, which is
    this run's winner for SMALL_BATCH_TOKENS tokens when there is one, else the device table's) is
@@ -1180,8 +1182,10 @@ def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[
     the small tiles, and 1; the one-row step takes the table's few-slot tiles), timed with each
     config and its small tiles for ONE_LAUNCH_ROUNDS interleaved rounds, get slower by more than
     ONE_LAUNCH_TOLERANCE (`dependents_allow`) without a full-batch saving worth PADDED_TRADE times
-    the loss (`padded_trade_allows`), or cannot be timed: then the incumbent, with its own time
-    from the bucket's ranking. `prefer_fast_padded_step` only ranks the candidates within
+    the loss (`padded_trade_allows`), or cannot be timed: then the first of `padded_hybrids` (the
+    winner with one GEMM's tiles of the incumbent) that beats the incumbent's full batch by more
+    than the replace margin and keeps those rules, else the incumbent, with its own time from the
+    bucket's ranking. `prefer_fast_padded_step` only ranks the candidates within
     ONE_LAUNCH_TOLERANCE of the fastest full batch, never against the incumbent, and a full-batch
     winner alone slowed the padded steps twice on the H200: fp8 Qwen3 block T = 256 (2026-11-28:
     full batch -0.6%, 8 and 1 valid rows +1.1 / +2.5% in the layer) and bf16 Qwen3-Next T = 256
@@ -1194,22 +1198,79 @@ def padded_steps_hold(case: Case, cfg: ExpertsConfig, us: float, log: list[dict[
     incumbent_us = next((t for t, c in case.ranked if c == incumbent), None)
     if incumbent_us is None:  # not timed among the candidates: nothing to fall back on
         return cfg, us, None
-    sides = {"incumbent": incumbent, "winner": cfg}
-    steps = (SMALL_BATCH_TOKENS, 1)
-    timings: dict[str, dict[str, float]] = {}
-    for num_valid in steps:
-        medians = time_candidates(case, sides, "padded_{name}", log, deadline, None, num_valid=num_valid,
-                                  small=lambda side_cfg: padded_step_small(case, side_cfg))
-        if medians is None:
-            break
-        timings[f"num_valid={num_valid}"] = medians
-    if len(timings) == len(steps) and (dependents_allow(timings)
-                                       or padded_trade_allows(incumbent_us - us, timings)):
+    timings = _padded_steps(case, incumbent, cfg, "padded_{name}", log, deadline)
+    if timings is not None and _padded_steps_allow(timings, incumbent_us - us):
         return cfg, us, timings
-    why = ("its padded steps got slower with the winner" if len(timings) == len(steps)
+    if timings is not None:
+        for hybrid in padded_hybrids(incumbent, cfg):
+            kept = _hybrid_holds(case, incumbent, hybrid, log, deadline)
+            if kept is not None:
+                print(f"  {case.name} T={case.num_tokens}: the winner's padded steps got slower ({timings}); "
+                      f"kept instead: {json.dumps(hybrid.to_json())}", flush=True)
+                return hybrid, kept[0], kept[1]
+    why = ("its padded steps got slower with the winner" if timings is not None
            else "its padded steps could not be timed (budget spent or a timing failed)")
     print(f"  {case.name} T={case.num_tokens}: the incumbent stays, {why}: {timings}", flush=True)
     return incumbent, incumbent_us, timings
+
+
+def _padded_steps(case: Case, incumbent: ExpertsConfig, other: ExpertsConfig, label: str,
+                  log: list[dict[str, Any]], deadline: float) -> dict[str, dict[str, float]] | None:
+    """{"num_valid=N": {"incumbent": us, "winner": us}} of the bucket's padded steps (N =
+    SMALL_BATCH_TOKENS and 1) with `incumbent` and `other` and their small tiles, interleaved;
+    None when one could not be timed."""
+    sides = {"incumbent": incumbent, "winner": other}
+    timings: dict[str, dict[str, float]] = {}
+    for num_valid in (SMALL_BATCH_TOKENS, 1):
+        medians = time_candidates(case, sides, label, log, deadline, None, num_valid=num_valid,
+                                  small=lambda side_cfg: padded_step_small(case, side_cfg))
+        if medians is None:
+            return None
+        timings[f"num_valid={num_valid}"] = medians
+    return timings
+
+
+def _padded_steps_allow(timings: dict[str, dict[str, float]], saved_us: float) -> bool:
+    return dependents_allow(timings) or padded_trade_allows(saved_us, timings)
+
+
+def padded_hybrids(incumbent: ExpertsConfig, winner: ExpertsConfig) -> list[ExpertsConfig]:
+    """The winner with one GEMM's tiles of the incumbent (GEMM2's first), when both run the same
+    M-blocks: `padded_steps_hold` tries them when the winner's padded steps got slower. H200
+    2026-11-28, Qwen3-Next T = 256: the wide search's winner (GEMM1 128 columns, GEMM2 128 x 128)
+    made the one-row step 17% slower; with the incumbent's GEMM1 it was 1.2% faster on the full
+    batch and no slower padded (layer A/B, written by hand that session)."""
+    if incumbent.block_m != winner.block_m:
+        return []
+    hybrids = []
+    for tiles in ({"gemm1": incumbent.gemm1}, {"gemm2": incumbent.gemm2}):
+        try:
+            hybrid = replace(winner, **tiles)
+        except ValueError:  # a pairing ExpertsConfig refuses (its checks are per GEMM today)
+            continue
+        if hybrid not in (winner, incumbent):
+            hybrids.append(hybrid)
+    return hybrids
+
+
+def _hybrid_holds(case: Case, incumbent: ExpertsConfig, hybrid: ExpertsConfig, log: list[dict[str, Any]],
+                  deadline: float) -> tuple[float, dict[str, dict[str, float]]] | None:
+    """(full-batch us, timings) when `hybrid` beats the incumbent by more than case.replace_margin
+    on the full batch (interleaved rounds), matches the reference and keeps the padded steps by
+    `padded_steps_hold`'s rules; else None."""
+    sides = {"incumbent": incumbent, "winner": hybrid}
+    full = time_candidates(case, sides, "hybrid_{name}", log, deadline, None)
+    if full is None or full["winner"] >= full["incumbent"] * (1.0 - case.replace_margin):
+        return None
+    tolerance = CHECK_TOLERANCE if case.fp8 is None else FP8_CHECK_TOLERANCE
+    error = case.check(hybrid)
+    log.append({"shape": case.name, "T": case.num_tokens, "check": hybrid.to_json(), "rel_error": error})
+    if not error < tolerance:
+        return None
+    steps = _padded_steps(case, incumbent, hybrid, "padded_hybrid_{name}", log, deadline)
+    if steps is None or not _padded_steps_allow(steps, full["incumbent"] - full["winner"]):
+        return None
+    return full["winner"], {"full_batch": full, **steps}
 
 
 def time_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int,

@@ -1096,6 +1096,58 @@ def test_winner_must_keep_the_buckets_padded_steps(monkeypatch):
     assert (cfg, us) == (incumbent, 400.0)
 
 
+def test_padded_hybrids_replace_a_winner_whose_padded_steps_got_slower(monkeypatch):
+    """When the winner fails its bucket's padded-step rule, the winner with the incumbent's GEMM1
+    (then with its GEMM2) is tried: kept when it beats the incumbent's full batch by more than the
+    replace margin (interleaved), matches the reference and keeps the padded steps; else the next,
+    else the incumbent. Qwen3-Next T = 256 on the H200 (2026-11-28) by hand: the wide winner's
+    GEMM2 on the incumbent's GEMM1 gave -1.2% full batch and no slower padded steps."""
+    import math
+    from dataclasses import replace
+
+    tune = _load()
+    incumbent = ExpertsConfig(16, GemmTiles(64, 128), GemmTiles(64, 256))
+    winner = ExpertsConfig(16, GemmTiles(128, 128, num_stages=3), GemmTiles(128, 128))
+    new_gemm2 = replace(winner, gemm1=incumbent.gemm1)
+    new_gemm1 = replace(winner, gemm2=incumbent.gemm2)
+    assert tune.padded_hybrids(incumbent, winner) == [new_gemm2, new_gemm1]
+    assert tune.padded_hybrids(_cfg(32), _cfg(16)) == []  # other M-blocks: no hybrid
+    assert tune.padded_hybrids(incumbent, replace(incumbent, gemm2=winner.gemm2)) == []  # nothing new
+
+    def run(full_us, padded_us, errors=None):
+        """full_us / padded_us: {config: us} (padded: {(config, num_valid): us})."""
+        case = types.SimpleNamespace(name="qwen3next", num_tokens=256, small_source=_cfg(16), fp8=None,
+                                     incumbent=incumbent, ranked=[(740.0, winner), (756.0, incumbent)],
+                                     replace_margin=tune.REPLACE_MARGIN,
+                                     check=lambda cfg: (errors or {}).get(cfg, 0.001))
+
+        def fake_timed(case, cfg, log, sweep, est, small=None, num_valid=None):
+            return padded_us[cfg, num_valid] if num_valid is not None else full_us[cfg]
+
+        monkeypatch.setattr(tune, "_timed", fake_timed)
+        return tune.padded_steps_hold(case, winner, 740.0, [], math.inf)
+
+    full = {incumbent: 756.0, new_gemm2: 745.0, new_gemm1: 752.0}
+    padded = {(incumbent, 8): 129.6, (incumbent, 1): 27.3, (winner, 8): 133.3, (winner, 1): 31.6,
+              (new_gemm2, 8): 129.5, (new_gemm2, 1): 26.4, (new_gemm1, 8): 133.0, (new_gemm1, 1): 31.0}
+    cfg, us, timings = run(full, padded)
+    assert (cfg, us) == (new_gemm2, 745.0)
+    assert timings == {"full_batch": {"incumbent": 756.0, "winner": 745.0},
+                       "num_valid=8": {"incumbent": 129.6, "winner": 129.5},
+                       "num_valid=1": {"incumbent": 27.3, "winner": 26.4}}
+    # the first hybrid within the replace margin of the incumbent: the second is tried (and fails
+    # its padded steps), so the incumbent stays
+    cfg, us, _ = run({**full, new_gemm2: 756.0 * (1 - tune.REPLACE_MARGIN) + 0.1}, padded)
+    assert (cfg, us) == (incumbent, 756.0)
+    # the second hybrid holds where the first's one-row step does not
+    second_holds = {**padded, (new_gemm2, 1): 31.0, (new_gemm1, 8): 129.0, (new_gemm1, 1): 27.0}
+    cfg, _, _ = run({**full, new_gemm1: 740.0}, second_holds)
+    assert cfg == new_gemm1
+    # a hybrid that misses the reference is not kept
+    cfg, _, _ = run(full, padded, errors={new_gemm2: 1.0})
+    assert cfg == incumbent
+
+
 def test_padded_trade_allows():
     """The padded steps' loss is bought by a full-batch saving of at least PADDED_TRADE times it,
     with no step slower by more than PADDED_TRADE_MAX: the H200 gpt-oss T = 512 winner (358.7 us
