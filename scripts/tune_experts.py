@@ -1098,16 +1098,22 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
     else:
         results = keep_incumbent(results, case.incumbent, case.replace_margin)
     case.ranked = results
-    tolerance = CHECK_TOLERANCE if case.fp8 is None else FP8_CHECK_TOLERANCE
     for us, cfg in results[:3]:
-        error = case.check(cfg)
-        log.append({"shape": case.name, "T": case.num_tokens, "check": cfg.to_json(), "rel_error": error})
-        if error < tolerance:
+        if matches_reference(case, cfg, log):
             return cfg, us
-        print(
-            f"  {case.name} T={case.num_tokens}: rejected (rel error {error:.3g}) {json.dumps(cfg.to_json())}"
-        )
     return None
+
+
+def matches_reference(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]]) -> bool:
+    """Whether `cfg` computes case's batch within CHECK_TOLERANCE (fp8: FP8_CHECK_TOLERANCE) of the
+    reference; logged, and said when not."""
+    tolerance = CHECK_TOLERANCE if case.fp8 is None else FP8_CHECK_TOLERANCE
+    error = case.check(cfg)
+    log.append({"shape": case.name, "T": case.num_tokens, "check": cfg.to_json(), "rel_error": error})
+    if error < tolerance:
+        return True
+    print(f"  {case.name} T={case.num_tokens}: rejected (rel error {error:.3g}) {json.dumps(cfg.to_json())}")
+    return False
 
 
 def _timed(
@@ -1262,10 +1268,7 @@ def _hybrid_holds(case: Case, incumbent: ExpertsConfig, hybrid: ExpertsConfig, l
     full = time_candidates(case, sides, "hybrid_{name}", log, deadline, None)
     if full is None or full["winner"] >= full["incumbent"] * (1.0 - case.replace_margin):
         return None
-    tolerance = CHECK_TOLERANCE if case.fp8 is None else FP8_CHECK_TOLERANCE
-    error = case.check(hybrid)
-    log.append({"shape": case.name, "T": case.num_tokens, "check": hybrid.to_json(), "rel_error": error})
-    if not error < tolerance:
+    if not matches_reference(case, hybrid, log):
         return None
     steps = _padded_steps(case, incumbent, hybrid, "padded_hybrid_{name}", log, deadline)
     if steps is None or not _padded_steps_allow(steps, full["incumbent"] - full["winner"]):

@@ -11,7 +11,7 @@
 #   OUT=/tmp/x bash scripts/debug/decode_retune_ab.sh
 source "$(dirname "$0")/device_table.sh"
 cp "$table" "$OUT/committed.json"
-SAFEMOE_TUNE_WIDE=1 timeout 240 python scripts/tune_experts.py --out "$OUT/tune_qwen3next" --shapes qwen3next \
+timeout 240 python scripts/tune_experts.py --out "$OUT/tune_qwen3next" --shapes qwen3next \
   --tokens 8,64,256 --wide --write --budget-s 140 2>&1 | grep -v -i warn | tail -12
 timeout 100 python scripts/tune_experts.py --out "$OUT/tune_engine_mixtral" --shapes mixtral --tokens 256 \
   --engine-only --write 2>&1 | grep -v -i warn | tail -6

@@ -11,7 +11,7 @@ for t in 2048 2048:1 4096 4096:1; do
   timeout 90 python scripts/debug/ab_entry.py deepseek $t 2048 "$1" --rounds 3 2>&1 | grep -v -i warn | tail -1
 done
 cp "$table" "$OUT/committed.json"
-SAFEMOE_TUNE_WIDE=1 timeout 170 python scripts/tune_experts.py --out "$OUT/tune_qwen3next_128_512" --shapes qwen3next \
+timeout 170 python scripts/tune_experts.py --out "$OUT/tune_qwen3next_128_512" --shapes qwen3next \
   --tokens 128,512 --wide --write --budget-s 110 2>&1 | grep -v -i warn | tail -8
 cp "$table" "$OUT/tuned_qwen3next_$(basename "$table")"
 cp "$OUT/committed.json" "$table"

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=src
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u
 for quant in block per_tensor; do
-  SAFEMOE_TUNE_WIDE=1 timeout 220 python scripts/tune_experts.py --out "$OUT/tune_$quant" --shapes qwen3 \
+  timeout 220 python scripts/tune_experts.py --out "$OUT/tune_$quant" --shapes qwen3 \
     --tokens 8,64,256 --quant $quant --wide --write --budget-s 150 2>&1 | grep -v -i warn | tail -8
 done
 cp src/safemoe/configs/NVIDIA_*.json "$OUT/"

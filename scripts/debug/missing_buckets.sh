@@ -19,14 +19,10 @@ cp "$OUT/committed.json" "$table"
 python - "$OUT/committed.json" "$tuned" "$shapes" > "$OUT/new_buckets.txt" <<'PY'
 import json, sys
 sys.path.insert(0, "scripts")
-from tune_experts import SHAPES
-from safemoe.configs import shape_key
-import torch
+from tune_experts import _shape_entries
 old, new = (json.load(open(p))["configs"] for p in sys.argv[1:3])
 for name in sys.argv[3].split(","):
-    num_experts, top_k, hidden, inter = SHAPES[name]
-    key = shape_key(num_experts, hidden, inter, top_k, torch.bfloat16)
-    for bucket in sorted(set(new.get(key, {})) - set(old.get(key, {})), key=int):
+    for bucket in sorted(set(_shape_entries(new, name)[1]) - set(_shape_entries(old, name)[1]), key=int):
         print(name, bucket)
 PY
 cat "$OUT/new_buckets.txt"

@@ -15,7 +15,7 @@ for t in 256 256:8 256:1 64:8; do
   timeout 60 python scripts/debug/ab_entry.py qwen3next $t $(echo ${t%%:*}) "$1" --rounds 5 \
     2>&1 | grep -v -i warn | tail -1
 done
-SAFEMOE_TUNE_WIDE=1 timeout 200 python scripts/tune_experts.py --out "$OUT/tune_qwen3next_256" --shapes qwen3next \
+timeout 200 python scripts/tune_experts.py --out "$OUT/tune_qwen3next_256" --shapes qwen3next \
   --tokens 256 --wide --budget-s 150 2>&1 | grep -v -i warn | tail -6
 cp "$1" "$table"
 timeout 200 python -m safemoe bench --suite layer --shapes qwen3-next-80b-a3b --out "$OUT/layer" > "$OUT/layer.log" 2>&1
