@@ -56,9 +56,10 @@ from safemoe.kernels.dispatch import dispatch_into
 from safemoe.kernels.experts_ws import gemm2_ws_into, ws_usable
 from safemoe.kernels.launch import (
     cdiv,
+    hopper_or_newer,
     launch_options,
     load_num_valid,
-    pdl_supported,
+    pdl_usable,
     persistent_grid,
     rowwise_product,
     wait_for_previous_kernel,
@@ -971,7 +972,10 @@ def _tensor_descriptor_class() -> type | None:
 
 def _use_tma(weight: torch.Tensor, tiles: GemmTiles) -> bool:
     """TMA boxes need a descriptor class, 16-byte aligned rows and base, and boxes <= 256 wide."""
-    if not tiles.tma or (weight.device.type != "cuda" and not interpreter_enabled()):
+    if not tiles.tma:
+        return False
+    # TMA is Hopper's (sm_90+); a config asking for it elsewhere loads through pointers
+    if not (hopper_or_newer(weight.device) or (weight.device.type != "cuda" and interpreter_enabled())):
         return False
     if _tensor_descriptor_class() is None:
         return False
@@ -1472,7 +1476,7 @@ def experts_triton(
             raise TypeError(f"workspace must be a safemoe Workspace or None, got {type(workspace).__name__}")
         workspace.check(num_tokens, num_experts, top_k, hidden, inter, x.dtype, x.device, fp8=fp8 is not None)
     views = workspace.views(num_tokens, num_experts, top_k, hidden, inter)
-    use_pdl = config.pdl and x.device.type == "cuda" and pdl_supported()
+    use_pdl = config.pdl and pdl_usable(x.device)
     small_tokens = min(num_tokens, SMALL_BATCH_TOKENS)
     small = (small_config.block_m, small_tokens * top_k) if small_config is not None else None
     operands = None
@@ -1486,7 +1490,7 @@ def experts_triton(
         if only:
             # Every call takes the few-slot path: its tiles alone, no dispatch, no small tiles.
             config, small_config, small = few_config, None, None
-            use_pdl = config.pdl and x.device.type == "cuda" and pdl_supported()
+            use_pdl = config.pdl and pdl_usable(x.device)
     quantize_x = None
     if operands is not None:
         quantize_x = (x, operands.views.x, operands.views.x_scale, operands.group or hidden)

@@ -65,6 +65,25 @@ def pdl_supported() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+def pdl_usable(device: torch.device) -> bool:
+    """Whether kernels on `device` may launch with PDL: a CUDA device of compute capability 9.0
+    or newer (griddepcontrol is Hopper's) and a Triton with the launch option. A config asking
+    for PDL on another device launches without it."""
+    return device.type == "cuda" and pdl_supported() and hopper_or_newer(device)
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """Whether `device` is a CUDA device of compute capability 9.0 or newer (TMA, wgmma, PDL)."""
+    if device.type != "cuda":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def launch_options(use_pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if use_pdl else {}
 

@@ -57,7 +57,7 @@ from safemoe.kernels.launch import (
     cdiv,
     launch_options,
     next_power_of_2,
-    pdl_supported,
+    pdl_usable,
     wait_for_previous_kernel,
 )
 from safemoe.numerics import FLT_MAX as _FLT_MAX
@@ -439,14 +439,7 @@ def router_pdl(device: torch.device) -> bool:
     where this Triton has the launch option. Its launch then overlaps the tail of whatever ran
     before it (the gate GEMM, or the previous layer), and the expert kernels after it overlap its
     own (they launch with PDL too)."""
-    if device.type != "cuda" or not pdl_supported():
-        return False
-    return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=16)
-def _hopper_or_newer(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return pdl_usable(device)
 
 
 def launch_router(
