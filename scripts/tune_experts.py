@@ -120,6 +120,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from safemoe.configs import (  # noqa: E402
+    PDL_MAX_TOKENS,
     ExpertsConfig,
     GemmTiles,
     device_file,
@@ -141,7 +142,14 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "qwen3next": (512, 10, 2048, 512),
     "qwen3-ep2": (64, 8, 2048, 768),
     "deepseek-ep2": (128, 8, 7168, 2048),
+    # Shapes no device table holds, which the heuristic serves (scripts/heuristic_eval.py times
+    # its rules on them): OLMoE-1B-7B, Qwen1.5-MoE-A2.7B (60 experts), Phi-3.5-MoE, GLM-4.5-Air.
+    "olmoe": (64, 8, 2048, 1024),
+    "qwen2moe": (60, 4, 2048, 1408),
+    "phimoe": (16, 2, 4096, 6400),
+    "glm45air": (128, 8, 4096, 1408),
 }
+UNTABLED = ("olmoe", "qwen2moe", "phimoe", "glm45air")
 # Shapes tuned when --shapes is not given (the extra ones above are asked for by name).
 DEFAULT_SHAPES = "qwen3,mixtral,gptoss,deepseek"
 DEFAULT_TOKENS = {
@@ -154,6 +162,7 @@ DEFAULT_TOKENS = {
     "qwen3next": (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
     "qwen3-ep2": (8, 64, 256, 1024, 4096, 8192),
     "deepseek-ep2": (8, 64, 256, 1024, 4096, 8192),
+    **dict.fromkeys(UNTABLED, (1, 8, 64, 256, 1024, 4096, 8192)),
 }
 QUICK_TOKENS = {
     "qwen3": (1, 8, 64, 256, 2048, 8192),
@@ -163,11 +172,9 @@ QUICK_TOKENS = {
     "qwen3next": (1, 64, 1024, 8192),
     "qwen3-ep2": (8, 256, 4096),
     "deepseek-ep2": (8, 256, 4096),
+    **dict.fromkeys(UNTABLED, (1, 64, 1024, 8192)),
 }
 N_VARIANTS = 4
-# PDL where a padded decode step can replay: H100 2026-11-24, Qwen3 T = 1024 with one valid row
-# 46.0 -> 42.5 us with it, full batches within 1%.
-PDL_MAX_TOKENS = 1024
 # The padded decode steps of the one_launch decision: the small-batch regime's largest count, and
 # one valid row. One row takes the few-slot path, whose tiles one_launch does not change, but with
 # the small tiles in launches of their own those two launches still run, empty: H200 2026-11-26

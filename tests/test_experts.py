@@ -550,6 +550,36 @@ def test_heuristic_block_m_follows_the_tuned_tables() -> None:
     assert all(max(t, h) == 2 * min(t, h) for *_, t, h in off), off
 
 
+def test_heuristic_launch_flags_follow_the_tuned_tables() -> None:
+    """PDL exactly where every tuned bf16 entry has it (buckets up to PDL_MAX_TOKENS, whose graphs
+    replay padded decode steps), never on a device without it; TMA and the interleaved GEMM1 tile on
+    the prefill tiles, as the tuned prefill entries carry them (the launchers fall back to pointer
+    loads off Hopper)."""
+    import json
+    from pathlib import Path
+
+    from safemoe.configs import PDL_MAX_TOKENS, heuristic_config
+    from safemoe.kernels.launch import hopper_or_newer, pdl_usable
+
+    tables = Path(safemoe.__file__).parent / "configs"
+    checked = 0
+    for path in sorted(tables.glob("NVIDIA_*.json")):
+        for key, entries in json.loads(path.read_text())["configs"].items():
+            if "fp8" in key or not key.endswith("bfloat16"):
+                continue
+            num_experts, hidden, inter, top_k = (int(f[1:]) for f in key.split("_")[:4])
+            for bucket, entry in entries.items():
+                heuristic = heuristic_config(int(bucket), num_experts, hidden, inter, top_k, torch.bfloat16)
+                assert heuristic.pdl == entry.get("pdl", False), (path.name, key, bucket)
+                assert heuristic.pdl == (int(bucket) <= PDL_MAX_TOKENS)
+                checked += 1
+    assert checked > 50
+    prefill = heuristic_config(8192, 128, 2048, 768, 8, torch.bfloat16)
+    assert prefill.gemm1.tma and prefill.gemm1.interleave and prefill.gemm2.tma and not prefill.few
+    cpu = torch.device("cpu")
+    assert not pdl_usable(cpu) and not hopper_or_newer(cpu)
+
+
 def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:
     """Main and small-batch tiles for T = 24, H = 48, I = 40 that differ in every constexpr
     (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA on one side only): block_k 16 divides H (EVEN_K), 32 does

@@ -208,48 +208,91 @@ def load_device_configs(device_name: str) -> dict[str, dict[int, ExpertsConfig]]
     return table
 
 
+# Graphs of buckets up to here replay padded decode steps, which are all launches: the tuner puts
+# PDL on every candidate up to it (and on none above: gpt-oss T = 8192 was 3-4% slower with it,
+# H100), and the heuristic does the same. H100 2026-11-24, Qwen3 T = 1024 with one valid row 46.0
+# -> 42.5 us with it, full batches within 1%.
+PDL_MAX_TOKENS = 1024
+
+
 def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                      dtype: torch.dtype) -> ExpertsConfig:
-    """Tiles from the expected rows per expert under uniform routing.
+    """Tiles for a shape with no tuned entry, from the expected rows per expert under uniform routing.
 
-    Few rows per expert (decode): the GEMMs stream weights, so BLOCK_M is the smallest tensor-core
-    tile (16) and BLOCK_N is narrow, giving many programs with deep pipelines to keep enough bytes
-    in flight. Many rows (prefill): the classic compute-bound tiles (128 x 128 x 64, 8 warps).
     BLOCK_M is the smallest block ABOVE the expected rows: an expert's rows spread around their
     mean, so a block of exactly the mean leaves about half the experts a second, nearly empty
     M-block whose programs stream the whole weight tile again. The tuned tables agree: at 16, 32,
     40 and 64 rows an expert the tuner picked 32-, 64-, 64- and (5 of 7) 128-row blocks on H100 and
     H200 (2026-11-28, H200: 16-row blocks at 16 rows 12-24% slower than 32-row ones on Qwen3,
     DeepSeek-V3 and gpt-oss, 32-row blocks at 32 and 40 rows 9-13% slower than 64-row ones).
+
+    The tiles of each BLOCK_M are the rule that came closest to the tuned tables in
+    `scripts/heuristic_eval.py` (H200, 2026-12-01: five tuned shapes and four untabled ones, T = 1
+    to 4096; bench/results/heuristic_eval_NVIDIA-H200_2026-12-01.md), with PDL up to
+    PDL_MAX_TOKENS and TMA weights where the tables use them (both only on Hopper or newer; the
+    launchers fall back elsewhere). Decode (16-row blocks): 256-wide K steps, 3 stages, pointer
+    loads, narrow N (DeepSeek-V3's and Mixtral's tuned decode tiles; the GEMMs stream weights,
+    and many programs with deep pipelines keep enough bytes in flight). Prefill (128-row blocks):
+    GEMM1's gate and up rows as one interleaved 256-column TMA tile, GEMM2 256 columns, 8 warps,
+    one program an SM. The previous heuristic (no PDL, no TMA, 128-column prefill tiles) was 9%
+    (decode), 17% (32-row blocks) and 16% (prefill) slower than the tables on the tuned shapes.
     """
     rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
-    small_k = 128 if dtype != torch.float32 else 64
+    pdl = num_tokens <= PDL_MAX_TOKENS
+    if dtype == torch.float32:  # fp32 tiles hold twice the bytes: the narrow K steps of before
+        return _heuristic_fp32(rows_per_expert, pdl)
     if rows_per_expert < 16:
         return ExpertsConfig(
             block_m=16,
-            gemm1=GemmTiles(block_n=32, block_k=small_k, group_m=1, num_warps=4, num_stages=4),
-            gemm2=GemmTiles(block_n=64, block_k=small_k, group_m=1, num_warps=4, num_stages=4),
+            gemm1=GemmTiles(block_n=32, block_k=256, group_m=1, num_warps=4, num_stages=3),
+            gemm2=GemmTiles(block_n=64, block_k=256, group_m=1, num_warps=4, num_stages=3),
+            pdl=pdl,
         )
     if rows_per_expert < 32:
         return ExpertsConfig(
             block_m=32,
-            gemm1=GemmTiles(block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4),
-            gemm2=GemmTiles(block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4),
+            gemm1=GemmTiles(block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3),
+            gemm2=GemmTiles(block_n=128, block_k=128, group_m=4, num_warps=4, num_stages=3, tma=True),
+            pdl=pdl,
         )
     if rows_per_expert < 64:
         return ExpertsConfig(
             block_m=64,
-            gemm1=GemmTiles(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
-            gemm2=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+            gemm1=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, tma=True),
+            gemm2=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, tma=True),
+            pdl=pdl,
         )
     # Prefill tiles leave the few-slot path out of their launch: compiled in, it cost the tuned
     # prefill buckets 2-3% on an H100 (device tables: "few": false at T >= 2048). Up to 96 rows an
     # expert (the decode buckets up to 1024 of the tuned shapes) a padded step keeps it.
     return ExpertsConfig(
         block_m=128,
-        gemm1=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
-        gemm2=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+        gemm1=GemmTiles(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True,
+                        interleave=True),
+        gemm2=GemmTiles(block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, tma=True),
+        programs_per_sm=1,
+        pdl=pdl,
         few=rows_per_expert <= 96,
+    )
+
+
+def _heuristic_fp32(rows_per_expert: float, pdl: bool) -> ExpertsConfig:
+    """fp32 activations and weights (no tuned entry anywhere): the earlier heuristic's tiles, whose
+    64-wide K steps keep an fp32 tile within the shared memory of the bf16 ones."""
+    if rows_per_expert < 16:
+        block_m, n1, n2, group_m, warps, stages = 16, 32, 64, 1, 4, 4
+    elif rows_per_expert < 32:
+        block_m, n1, n2, group_m, warps, stages = 32, 64, 64, 4, 4, 4
+    elif rows_per_expert < 64:
+        block_m, n1, n2, group_m, warps, stages = 64, 64, 128, 8, 4, 4
+    else:
+        block_m, n1, n2, group_m, warps, stages = 128, 128, 128, 8, 8, 3
+    return ExpertsConfig(
+        block_m=block_m,
+        gemm1=GemmTiles(block_n=n1, block_k=64, group_m=group_m, num_warps=warps, num_stages=stages),
+        gemm2=GemmTiles(block_n=n2, block_k=64, group_m=group_m, num_warps=warps, num_stages=stages),
+        pdl=pdl,
+        few=block_m < 128 or rows_per_expert <= 96,
     )
 
 

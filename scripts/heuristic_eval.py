@@ -1,0 +1,305 @@
+"""How far the untuned tiles are from the tuned tables, on a GPU: candidate rules for
+`safemoe.configs.heuristic_config` timed side by side with the device table's entries.
+
+    PYTHONPATH=src python3 scripts/heuristic_eval.py --out OUT_DIR [--shapes qwen3,olmoe,...]
+        [--tokens 1,8,64,256,1024,4096] [--budget 420] [--rules tree,flags,...]
+
+Every model shape without a table entry (most of the MoE families `patch()` takes) runs the
+heuristic's tiles, so its distance from a tuned entry is what such a model loses. For each shape
+and T this times (one experts call under CUDA-graph replay, full batch, `tune_experts.Case`):
+"table", the device table's config where the shape has entries (the tuned reference), and every
+rule of RULES at that T (each rule a function of the shapes alone, as `heuristic_config` is;
+"tree" is the heuristic in this tree). Each rule's config is checked against the reference
+first (relative error <= 2e-2, finite). The shapes without entries (OLMoE, Qwen1.5-MoE, Phi-3.5-MoE,
+GLM-4.5-Air: `tune_experts.UNTABLED`) have no tuned reference; there rules are compared with the
+best rule at the point. Writes OUT_DIR/heuristic_eval_<device>.json (every time) and .md (per
+regime: each rule's geometric-mean and worst ratio to the table, and to the best rule). A
+measurement script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from tune_experts import PDL_MAX_TOKENS, SHAPES, UNTABLED, Case, make_weights, precompile  # noqa: E402
+
+from safemoe.configs import (  # noqa: E402
+    ExpertsConfig,
+    GemmTiles,
+    get_config,
+    heuristic_config,
+    load_device_configs,
+    shape_key,
+    token_bucket,
+)
+from safemoe.kernels.experts import few_slots_bucket, few_tiles_from  # noqa: E402
+
+DEFAULT_SHAPES = "qwen3,olmoe,mixtral,phimoe,deepseek,glm45air,gptoss,qwen2moe,qwen3next"
+DEFAULT_TOKENS = (1, 8, 64, 256, 1024, 4096)
+MAX_ERROR = 2e-2
+Rule = Callable[[int, int, int, int, int], ExpertsConfig]  # (T, E, H, I, K) -> config
+
+
+def _tree(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    return heuristic_config(t, e, h, i, k, torch.bfloat16)
+
+
+def _previous(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """heuristic_config for bf16 until 2026-12-01 (the first run's "tree"): no PDL, no TMA,
+    128-column prefill tiles."""
+    rows = token_bucket(t) * k / e
+    if rows < 16:
+        return ExpertsConfig(16, _gemm(32, 128, 4, 4, 1, tma=False), _gemm(64, 128, 4, 4, 1, tma=False))
+    if rows < 32:
+        return ExpertsConfig(32, _gemm(64, 64, 4, 4, 4, tma=False), _gemm(64, 64, 4, 4, 4, tma=False))
+    if rows < 64:
+        return ExpertsConfig(64, _gemm(64, 64, 4, 4, 8, tma=False), _gemm(128, 64, 4, 4, 8, tma=False))
+    return ExpertsConfig(128, _gemm(128, 64, 8, 3, 8, tma=False), _gemm(128, 64, 8, 3, 8, tma=False),
+                         few=rows <= 96)
+
+
+def _tree_no_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tree with the few-slot path left out of 64-row launches (in the first run the decode
+    tiles' 256-wide K steps compiled into them cost the 64-row tiles 3-6%)."""
+    cfg = _tree(t, e, h, i, k)
+    return replace(cfg, few=False) if cfg.block_m == 64 else cfg
+
+
+def _flags(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The previous heuristic's tiles with what every tuned entry of a regime carries: PDL up to
+    1024 tokens, TMA weights on both GEMMs, GEMM1's interleaved gate/up tile on 128-row blocks."""
+    cfg = _previous(t, e, h, i, k)
+    gemm1 = replace(cfg.gemm1, tma=True, interleave=cfg.block_m == 128)
+    return replace(cfg, pdl=t <= PDL_MAX_TOKENS, gemm1=gemm1, gemm2=replace(cfg.gemm2, tma=True))
+
+
+def _gemm(n: int, k: int, warps: int, stages: int, group_m: int, tma: bool = True,
+          interleave: bool = False) -> GemmTiles:
+    return GemmTiles(block_n=n, block_k=k, group_m=group_m, num_warps=warps, num_stages=stages, tma=tma,
+                     interleave=interleave)
+
+
+def _modes(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tuned tables' most common tiles per BLOCK_M (H100 and H200, 2026-11-28)."""
+    cfg = _previous(t, e, h, i, k)
+    pdl = t <= PDL_MAX_TOKENS
+    if cfg.block_m == 16:
+        return replace(cfg, gemm1=_gemm(64, 128, 4, 4, 1), gemm2=_gemm(128, 64, 4, 4, 1), pdl=pdl)
+    if cfg.block_m == 32:
+        return replace(cfg, gemm1=_gemm(64, 128, 4, 3, 4, tma=False), gemm2=_gemm(128, 128, 4, 3, 4), pdl=pdl)
+    if cfg.block_m == 64:
+        return replace(cfg, gemm1=_gemm(128, 64, 4, 4, 8), gemm2=_gemm(128, 64, 4, 4, 8), pdl=pdl)
+    gemm1 = _gemm(128, 64, 8, 4, 8, interleave=True)
+    return replace(cfg, gemm1=gemm1, gemm2=_gemm(256, 64, 8, 3, 8), pdl=pdl)
+
+
+def _wide_k(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """Decode tiles with 256-wide K steps, 3 stages (DeepSeek-V3's and Mixtral's tuned T <= 64
+    tiles); the other regimes as _modes, with one program an SM at prefill."""
+    cfg = _modes(t, e, h, i, k)
+    if cfg.block_m == 16:
+        gemm1 = _gemm(32, 256, 4, 3, 1, tma=False)
+        return replace(cfg, gemm1=gemm1, gemm2=_gemm(64, 256, 4, 3, 1, tma=False))
+    if cfg.block_m == 128:
+        return replace(cfg, programs_per_sm=1)
+    return cfg
+
+
+def _by_tiles(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """_modes with decode N widths from the tile count: the widest of 64 / 32 (GEMM1) and 128 / 64
+    (GEMM2) that leaves at least 4 tiles an SM over the experts a uniform batch hits (132 SMs)."""
+    cfg = _modes(t, e, h, i, k)
+    if cfg.block_m != 16:
+        return cfg
+    hit = e * (1 - (1 - k / e) ** token_bucket(t))
+    enough = 4 * 132
+    n1 = 64 if hit * math.ceil(i / 64) >= enough else 32
+    n2 = 128 if hit * math.ceil(h / 128) >= enough else 64
+    return replace(cfg, gemm1=_gemm(n1, 128, 4, 4, 1), gemm2=_gemm(n2, 64 if n2 == 128 else 128, 4, 4, 1))
+
+
+# The first run (H200, 2026-12-01) timed previous (then the tree), flags, modes, wide_k and
+# by_tiles; the tree took wide_k's tiles, modes' at 64-row blocks. Default: the tree against the
+# previous heuristic and the few-slot variant.
+RULES: dict[str, Rule] = {"tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "flags": _flags,
+                          "modes": _modes, "wide_k": _wide_k, "by_tiles": _by_tiles}
+DEFAULT_RULES = "tree,previous,tree_no_few"
+
+
+def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig) -> ExpertsConfig | None:
+    """The few-slot tiles an untabled shape would run beside cfg: the rule's own at few_slots_bucket(K)."""
+    return few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k))
+
+
+def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
+             log: Callable[[str], None], padded: bool = False) -> list[dict[str, Any]]:
+    e, k, h, i = SHAPES[name]
+    tabled = bool(load_device_configs(torch.cuda.get_device_name(device)).get(
+        shape_key(e, h, i, k, torch.bfloat16)))
+    w13, w2 = make_weights(name, device)
+    rows = []
+    for t in tokens:
+        if time.monotonic() > deadline:
+            log(f"{name} T={t}: budget spent, stopping")
+            break
+        case = Case(name, w13, w2, t)
+        row: dict[str, Any] = {"shape": name, "T": t, "rows_per_expert": t * k / e, "us": {}, "configs": {}}
+        if tabled:
+            cfg = get_config(t, e, h, i, k, torch.bfloat16, device)
+            row["us"]["table"] = case.time(cfg)
+            if padded and few_slots_bucket(k) < t <= PDL_MAX_TOKENS:
+                row.setdefault("padded_us", {})["table"] = case.time(cfg, num_valid=1)
+            row["configs"]["table"] = cfg.to_json()
+        timed: dict[tuple[ExpertsConfig, ExpertsConfig | None], str] = {}
+        for label, rule in rules.items():
+            cfg = rule(t, e, h, i, k)
+            row["configs"][label] = cfg.to_json()
+            few = _few(rule, t, e, h, i, k, cfg)
+            if (cfg, few) in timed:  # the same launches as another rule here: its times
+                twin = timed[(cfg, few)]
+                for field in ("us", "padded_us"):
+                    if twin in row.get(field, {}):
+                        row[field][label] = row[field][twin]
+                continue
+            timed[(cfg, few)] = label
+            try:
+                err = _check(case, cfg, few)
+                if not err <= MAX_ERROR:
+                    row.setdefault("errors", {})[label] = f"relative error {err:.3g}"
+                    continue
+                row["us"][label] = case.time(cfg, few=few)
+                if padded and few_slots_bucket(k) < t <= PDL_MAX_TOKENS:
+                    row.setdefault("padded_us", {})[label] = case.time(cfg, few=few, num_valid=1)
+            except Exception as exc:  # a rule's tiles that cannot run here (shared memory, layout)
+                row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(row)
+        log(f"{name} T={t} ({row['rows_per_expert']:.1f} rows/expert, block_m "
+            f"{rules['tree'](t, e, h, i, k).block_m}): "
+            + ", ".join(f"{lbl} {us:.1f}" for lbl, us in row["us"].items())
+            + ("; one valid row: " + ", ".join(f"{lbl} {us:.1f}" for lbl, us in row["padded_us"].items())
+               if "padded_us" in row else "")
+            + (f"  errors: {row['errors']}" if "errors" in row else ""))
+        del case
+    del w13, w2
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _check(case: Case, cfg: ExpertsConfig, few: ExpertsConfig | None) -> float:
+    """Case.check with explicit few-slot tiles."""
+    from safemoe.reference import experts_reference
+
+    case.step(cfg, few=few)(0)
+    ref = experts_reference(case.xs[0], case.w13, case.w2, case.weights[0], case.ids[0], activation="silu")
+    out = case.outs[0].float()
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    return float((out - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def _regime(row: dict[str, Any]) -> str:
+    return f"block_m {row['configs']['tree']['block_m']}"
+
+
+def summarise(rows: list[dict[str, Any]], labels: list[str], field: str = "us") -> list[str]:
+    """Per regime and rule: geometric mean and worst of (rule / table) and (rule / best rule), of
+    the full batch's times (field "us") or the one-valid-row step's ("padded_us")."""
+    lines = ["| regime | rule | vs table: geomean | worst | points "
+             "| vs best rule: geomean | worst | points |", "|---|---|---|---|---|---|---|---|"]
+    for regime in sorted({_regime(r) for r in rows if r.get(field)}, key=lambda s: int(s.split()[-1])):
+        members = [{**r, "us": r.get(field, {})} for r in rows if _regime(r) == regime]
+        for label in labels:
+            to_table = [r["us"][label] / r["us"]["table"] for r in members
+                        if label in r["us"] and "table" in r["us"]]
+            to_best = [r["us"][label] / min(r["us"][x] for x in labels if x in r["us"])
+                       for r in members if label in r["us"]]
+            def stats(v: list[float]) -> str:
+                if not v:
+                    return "| - | - | 0 "
+                return f"| {math.exp(sum(map(math.log, v)) / len(v)):.3f} | {max(v):.3f} | {len(v)} "
+            lines.append(f"| {regime} | {label} {stats(to_table)}{stats(to_best)}|")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    parser.add_argument("--rules", default=DEFAULT_RULES, help=f"of {', '.join(RULES)}")
+    parser.add_argument("--padded", action="store_true",
+                        help="also time the one-valid-row step of buckets up to PDL_MAX_TOKENS")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds of timing before stopping")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("heuristic_eval.py times kernels on a CUDA device")
+    names = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    rules = {label: RULES[label] for label in args.rules.split(",") if label}
+    if "tree" not in rules:
+        rules = {"tree": _tree, **rules}
+    device = torch.device("cuda", 0)
+    device_name = torch.cuda.get_device_name(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"heuristic_eval_{device_name.replace(' ', '-')}"
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    start = time.monotonic()
+    tasks = []
+    for name in names:
+        e, k, h, i = SHAPES[name]
+        for t in tokens:
+            configs = {rule(t, e, h, i, k) for rule in rules.values()}
+            tasks.append((name, t, [(c.to_json(), None) for c in configs], None))
+    failures = precompile(tasks, args.jobs)
+    log(f"precompiled {len(tasks)} tasks in {time.monotonic() - start:.0f} s; {len(failures)} failures")
+    for line in failures:
+        log(f"  {line}")
+    deadline = time.monotonic() + args.budget
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        rows += evaluate(name, tokens, rules, device, deadline, log, args.padded)
+        payload = {
+            "device": device_name, "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "untabled": [n for n in names if n in UNTABLED], "rows": rows,
+        }
+        stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    table = ["Full batch:", "", *summarise(rows, list(rules))]
+    if args.padded:
+        table += ["", "One valid row (buckets up to PDL_MAX_TOKENS):", "",
+                  *summarise(rows, list(rules), "padded_us")]
+    for line in table:
+        log(line)
+    stem.with_suffix(".md").write_text(
+        f"# heuristic_eval.py, {device_name}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+        + "\n".join(table) + "\n\n```\n" + "\n".join(lines) + "\n```\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
