@@ -48,7 +48,7 @@ from safemoe.configs import (  # noqa: E402
     shape_key,
     token_bucket,
 )
-from safemoe.kernels.experts import few_slots_bucket, few_tiles_from  # noqa: E402
+from safemoe.kernels.experts import FEW_SLOTS, few_slots_bucket, few_tiles_from  # noqa: E402
 
 DEFAULT_SHAPES = "qwen3,olmoe,mixtral,phimoe,deepseek,glm45air,gptoss,qwen2moe,qwen3next"
 DEFAULT_TOKENS = (1, 8, 64, 256, 1024, 4096)
@@ -79,6 +79,20 @@ def _tree_no_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
     tiles' 256-wide K steps compiled into them cost the 64-row tiles 3-6%)."""
     cfg = _tree(t, e, h, i, k)
     return replace(cfg, few=False) if cfg.block_m == 64 else cfg
+
+
+def _prev64(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tree with the previous heuristic's 64-row tiles (pointer loads), PDL kept."""
+    cfg = _tree(t, e, h, i, k)
+    return replace(_previous(t, e, h, i, k), pdl=cfg.pdl) if cfg.block_m == 64 else cfg
+
+
+def _light_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tree with the previous heuristic's decode tiles (128-wide K steps, 4 stages), PDL kept,
+    in the buckets that always take the few-slot path (T * K <= FEW_SLOTS): the few-slot tiles
+    every larger bucket compiles into its launches."""
+    cfg = _tree(t, e, h, i, k)
+    return replace(_previous(t, e, h, i, k), pdl=cfg.pdl) if t * k <= FEW_SLOTS else cfg
 
 
 def _flags(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
@@ -137,8 +151,10 @@ def _by_tiles(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
 # The first run (H200, 2026-12-01) timed previous (then the tree), flags, modes, wide_k and
 # by_tiles; the tree took wide_k's tiles, modes' at 64-row blocks. Default: the tree against the
 # previous heuristic and the few-slot variant.
-RULES: dict[str, Rule] = {"tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "flags": _flags,
-                          "modes": _modes, "wide_k": _wide_k, "by_tiles": _by_tiles}
+RULES: dict[str, Rule] = {
+    "tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "prev64": _prev64,
+    "light_few": _light_few, "flags": _flags, "modes": _modes, "wide_k": _wide_k, "by_tiles": _by_tiles,
+}
 DEFAULT_RULES = "tree,previous,tree_no_few"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import STALE_ID, by_device, garbage_ids
+from helpers import STALE_ID, by_device, garbage_ids, interpreter_only
 from safemoe._checks import NumValid
 from safemoe.health import DROPPED_SLOTS, new_health_tensor
 from safemoe.kernels.dispatch import ALONE_SLOTS, ATOMIC_COUNT_BINS, CHUNK, dispatch_into, dispatch_triton
@@ -220,6 +220,7 @@ def test_quantize_x_rejected_before_any_launch(bad: str) -> None:
     assert bool((views.num_blocks == -7).all()), "a kernel ran"
 
 
+@interpreter_only("CPU tensors through a Triton launch (a GPU machine runs the kernels on CUDA tensors)")
 def test_quantize_x_accepted_when_well_formed() -> None:
     """The inputs test_quantize_x_rejected_before_any_launch spoils, as they are: accepted (the
     launch writes the layout, and x's codes and scales)."""
