@@ -580,6 +580,60 @@ def test_heuristic_launch_flags_follow_the_tuned_tables() -> None:
     assert not pdl_usable(cpu) and not hopper_or_newer(cpu)
 
 
+HOPPER_SHARED = 232448  # opt-in shared memory a block: H100 / H200
+A100_SHARED = 166912
+ADA_SHARED = 101376  # L40S, RTX 4090
+
+
+def test_heuristic_tiles_fit_the_shared_memory_of_smaller_cards() -> None:
+    """The heuristic's tiles are Hopper-sized: fit_shared_memory leaves them alone at Hopper's limit
+    (what heuristic_eval.py timed) and on an A100 or an Ada card lowers stages, then block_k, until
+    the estimate fits, never touching block_m / block_n. Every tuned entry (which ran on its card)
+    fits Hopper's budget under the same estimate, so the estimate does not over-trim."""
+    import json
+    from pathlib import Path
+
+    from safemoe.configs import (
+        SHARED_MEMORY_RESERVE,
+        ExpertsConfig,
+        fit_shared_memory,
+        gemm_shared_memory,
+        heuristic_config,
+        heuristic_fp8_config,
+    )
+
+    def fits(cfg: ExpertsConfig, limit: int, weight_bytes: int) -> bool:
+        return all(gemm_shared_memory(t, cfg.block_m, 2, weight_bytes, g1) <= limit - SHARED_MEMORY_RESERVE
+                   for t, g1 in ((cfg.gemm1, True), (cfg.gemm2, False)))
+
+    shapes = [(128, 2048, 768, 8), (8, 4096, 14336, 2), (256, 7168, 2048, 8), (60, 2048, 1408, 4)]
+    trimmed = 0
+    for num_experts, hidden, inter, top_k in shapes:
+        for tokens in (1, 8, 64, 256, 512, 1024, 2048, 8192):
+            heuristics = [(heuristic_config(tokens, num_experts, hidden, inter, top_k, torch.bfloat16), 2)]
+            heuristics += [(heuristic_fp8_config(tokens, num_experts, hidden, inter, top_k, q), 1)
+                           for q in ("per_tensor", "block")]
+            for cfg, weight_bytes in heuristics:
+                assert fit_shared_memory(cfg, HOPPER_SHARED, 2, weight_bytes) == cfg
+                for limit in (A100_SHARED, ADA_SHARED):
+                    fitted = fit_shared_memory(cfg, limit, 2, weight_bytes)
+                    assert fits(fitted, limit, weight_bytes), (tokens, cfg, limit)
+                    for old, new in ((cfg.gemm1, fitted.gemm1), (cfg.gemm2, fitted.gemm2)):
+                        assert (new.block_n, fitted.block_m) == (old.block_n, cfg.block_m)
+                        assert 2 <= new.num_stages <= old.num_stages and old.block_k % new.block_k == 0
+                        assert new.block_k == old.block_k or new.num_stages == 2  # stages first
+                    trimmed += fitted != cfg
+    assert trimmed > 10
+    prefill = heuristic_config(8192, 128, 2048, 768, 8, torch.bfloat16)
+    assert fit_shared_memory(prefill, A100_SHARED).gemm1.num_stages == 3  # 196,608 -> 147,456 bytes
+    tables = Path(safemoe.__file__).parent / "configs"
+    for path in sorted(tables.glob("NVIDIA_*.json")):
+        for key, entries in json.loads(path.read_text())["configs"].items():
+            for bucket, entry in entries.items():
+                weight_bytes = 1 if "fp8" in key else 2
+                assert fits(ExpertsConfig.from_json(entry), HOPPER_SHARED, weight_bytes), (key, bucket)
+
+
 def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:
     """Main and small-batch tiles for T = 24, H = 48, I = 40 that differ in every constexpr
     (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA on one side only): block_k 16 divides H (EVEN_K), 32 does

@@ -422,5 +422,55 @@ def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, t
     if buckets and chosen is not None:
         return buckets[chosen]
     if quant is not None:
-        return heuristic_fp8_config(num_tokens, num_experts, hidden, inter, top_k, quant)
-    return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)
+        cfg = heuristic_fp8_config(num_tokens, num_experts, hidden, inter, top_k, quant)
+    else:
+        cfg = heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)
+    limit = _shared_memory_limit(device.index if device.index is not None else torch.cuda.current_device())
+    if limit is None:
+        return cfg
+    return fit_shared_memory(cfg, limit, x_bytes=dtype.itemsize, weight_bytes=1 if quant else dtype.itemsize)
+
+
+# Shared memory a GEMM launch needs beyond its pipeline buffers (barriers, the epilogue's layout
+# conversions when they do not reuse the buffers): kept free by fit_shared_memory.
+SHARED_MEMORY_RESERVE = 4096
+
+
+def gemm_shared_memory(tiles: GemmTiles, block_m: int, x_bytes: int, weight_bytes: int, gemm1: bool) -> int:
+    """An upper estimate of one GEMM launch's shared memory: num_stages buffers of its A tile
+    [block_m, block_k] and its weight tile [block_k, block_n] (GEMM1: the gate and up tiles, 2 block_n
+    columns), A in x's element size (fp8 modes may store it narrower)."""
+    columns = 2 * tiles.block_n if gemm1 else tiles.block_n
+    return tiles.num_stages * tiles.block_k * (block_m * x_bytes + columns * weight_bytes)
+
+
+def fit_shared_memory(cfg: ExpertsConfig, limit: int, x_bytes: int = 2,
+                      weight_bytes: int = 2) -> ExpertsConfig:
+    """cfg with each GEMM's pipeline made to fit `limit` bytes of shared memory (a device's opt-in
+    maximum a block), less SHARED_MEMORY_RESERVE: num_stages lowered to 2, then block_k halved down
+    to 32, until `gemm_shared_memory` fits. The heuristic's tiles are sized for Hopper's 227 KB
+    (H100 / H200, where they are unchanged); an A100 (163 KB) or an Ada / consumer card (99 KB) would
+    otherwise fail to compile them. Tuned tables are per device and left as they are."""
+    budget = limit - SHARED_MEMORY_RESERVE
+
+    def fit(tiles: GemmTiles, gemm1: bool) -> GemmTiles:
+        while gemm_shared_memory(tiles, cfg.block_m, x_bytes, weight_bytes, gemm1) > budget:
+            if tiles.num_stages > 2:
+                tiles = replace(tiles, num_stages=tiles.num_stages - 1)
+            elif tiles.block_k > 32:
+                tiles = replace(tiles, block_k=tiles.block_k // 2)
+            else:
+                break  # the smallest pipeline this rule makes; Triton reports what is left
+        return tiles
+
+    gemm1, gemm2 = fit(cfg.gemm1, True), fit(cfg.gemm2, False)
+    if gemm1 == cfg.gemm1 and gemm2 == cfg.gemm2:
+        return cfg
+    return replace(cfg, gemm1=gemm1, gemm2=gemm2)
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_memory_limit(device_index: int) -> int | None:
+    """The device's opt-in shared memory a block, bytes (None where torch does not report it)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", None)
