@@ -18,6 +18,9 @@
 #                   80 GB GPU the big-shape tests of test_experts.py can run out of memory together,
 #                   H100 2026-11-26: they pass alone)
 #   BENCH_SUITE_TIMEOUT  seconds allowed per bench suite (default: no limit of its own)
+#   HEURISTIC_BUDGET / HEURISTIC_ARGS  stage heuristic (not in the default list): seconds of timing
+#                   for scripts/heuristic_eval.py (default 420; QUICK 150) and extra arguments
+#                   (e.g. "--padded --shapes olmoe,phimoe"); writes OUT_DIR/heuristic/
 #   SERVING_TIMEOUT / SERVING_ARGS  limit of the serving stage (420 s) and extra arguments of
 #                   `python -m safemoe.bench.serving` (e.g. "--layers 8 --concurrency 1,64,256")
 #
@@ -163,6 +166,17 @@ EOF
     tail -n 8 "$OUT_DIR/bench.log"
 fi
 
+if has_stage heuristic; then
+    budget=${HEURISTIC_BUDGET:-$([ "$QUICK" = "1" ] && echo 150 || echo 420)}
+    echo "== heuristic (timing budget ${budget} s) =="
+    # the untuned tiles (heuristic_config) against the device table, nine shapes, four untabled
+    timeout --kill-after=15 $(( budget + 240 )) python3 scripts/heuristic_eval.py --out "$OUT_DIR/heuristic" \
+        --budget "$budget" ${HEURISTIC_ARGS:-} > "$OUT_DIR/heuristic.log" 2>&1
+    rc=$?
+    record heuristic "$rc" "$(grep -cE '^[a-z0-9]+ T=' "$OUT_DIR/heuristic.log") points timed"
+    grep -A 7 "^Full batch" "$OUT_DIR/heuristic.log"
+fi
+
 if has_stage serving; then
     echo "== serving (limit ${SERVING_TIMEOUT} s) =="
     # transformers' continuous batching with CUDA graphs, stock grouped_mm vs safemoe, NaN in the
@@ -192,7 +206,7 @@ fi
 
 {
     echo "safemoe gpu_run summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $DEVICE)"
-    for stage in tests sanitize sanitize_check soak bench serving; do
+    for stage in tests sanitize sanitize_check soak bench heuristic serving; do
         if has_stage "$stage"; then echo "  $stage: ${RESULT[$stage]:-not recorded}"; else echo "  $stage: not run"; fi
     done
     if has_stage tests && [ -f "$OUT_DIR/tests.log" ]; then
