@@ -164,7 +164,8 @@ def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig)
 
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
-             log: Callable[[str], None], padded: bool = False) -> list[dict[str, Any]]:
+             log: Callable[[str], None], padded: bool = False,
+             kernel_stats: bool = False) -> list[dict[str, Any]]:
     e, k, h, i = SHAPES[name]
     tabled = bool(load_device_configs(torch.cuda.get_device_name(device)).get(
         shape_key(e, h, i, k, torch.bfloat16)))
@@ -194,6 +195,7 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
                         row[field][label] = row[field][twin]
                 continue
             timed[(cfg, few)] = label
+            before = set(_gemm_kernels()) if kernel_stats else set()
             try:
                 err = _check(case, cfg, few)
                 if not err <= MAX_ERROR:
@@ -202,6 +204,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
                 row["us"][label] = case.time(cfg, few=few)
                 if padded and few_slots_bucket(k) < t <= PDL_MAX_TOKENS:
                     row.setdefault("padded_us", {})[label] = case.time(cfg, few=few, num_valid=1)
+                if kernel_stats:
+                    row.setdefault("kernels", {})[label] = _kernel_stats(before)
             except Exception as exc:  # a rule's tiles that cannot run here (shared memory, layout)
                 row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
         rows.append(row)
@@ -210,11 +214,48 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             + ", ".join(f"{lbl} {us:.1f}" for lbl, us in row["us"].items())
             + ("; one valid row: " + ", ".join(f"{lbl} {us:.1f}" for lbl, us in row["padded_us"].items())
                if "padded_us" in row else "")
+            + ("; kernels (regs/spills/shared KB): " + ", ".join(
+                f"{lbl} " + " ".join(f"{k.get('n_regs')}/{k.get('n_spills')}/{k.get('shared', 0) // 1024}"
+                                     for k in stats) for lbl, stats in row["kernels"].items())
+               if "kernels" in row else "")
             + (f"  errors: {row['errors']}" if "errors" in row else ""))
         del case
     del w13, w2
     torch.cuda.empty_cache()
     return rows
+
+
+def _gemm_kernels() -> dict[str, Any]:
+    """{key: compiled kernel} of the two GEMM kernels in this process's Triton caches."""
+    from safemoe.kernels.experts import _gemm1_kernel, _gemm2_kernel
+
+    found: dict[str, Any] = {}
+    try:
+        for fn in (_gemm1_kernel, _gemm2_kernel):
+            for device, cache in getattr(fn, "device_caches", {}).items():
+                kernels = cache[0] if isinstance(cache, tuple) else cache
+                for key, kernel in kernels.items():
+                    found[f"{fn.__name__}:{device}:{key}"] = kernel
+    except Exception:  # another Triton's cache layout: no stats rather than no timings
+        return {}
+    return found
+
+
+def _kernel_stats(before: set[str]) -> list[dict[str, Any]]:
+    """Registers, spills and shared memory of the GEMM kernels compiled since `before` (what a
+    rule's timing loaded): the few-slot tiles compiled into a launch change its kernel, not its
+    tiles (the 64-row buckets' 3-4%, docs/experts.md, twenty-first session)."""
+    stats = []
+    for key, kernel in _gemm_kernels().items():
+        if key in before:
+            continue
+        try:
+            stats.append({"kernel": key.split(":")[0], "n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
+                          "shared": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
+                          "num_stages": kernel.metadata.num_stages})
+        except Exception as exc:  # another Triton's field names: said, not fatal
+            stats.append({"kernel": key.split(":")[0], "error": f"{type(exc).__name__}: {exc}"[:120]})
+    return stats
 
 
 def _check(case: Case, cfg: ExpertsConfig, few: ExpertsConfig | None) -> float:
@@ -261,6 +302,8 @@ def main() -> int:
     parser.add_argument("--rules", default=DEFAULT_RULES, help=f"of {', '.join(RULES)}")
     parser.add_argument("--padded", action="store_true",
                         help="also time the one-valid-row step of buckets up to PDL_MAX_TOKENS")
+    parser.add_argument("--kernel-stats", action="store_true",
+                        help="record registers, spills and shared memory of the GEMM kernels each rule loads")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds of timing before stopping")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     args = parser.parse_args()
@@ -298,7 +341,7 @@ def main() -> int:
     deadline = time.monotonic() + args.budget
     rows: list[dict[str, Any]] = []
     for name in names:
-        rows += evaluate(name, tokens, rules, device, deadline, log, args.padded)
+        rows += evaluate(name, tokens, rules, device, deadline, log, args.padded, args.kernel_stats)
         payload = {
             "device": device_name, "torch": torch.__version__,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
