@@ -425,7 +425,7 @@ def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, t
         cfg = heuristic_fp8_config(num_tokens, num_experts, hidden, inter, top_k, quant)
     else:
         cfg = heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)
-    limit = _shared_memory_limit(device.index if device.index is not None else torch.cuda.current_device())
+    limit = _shared_memory_limit(device.index)
     if limit is None:
         return cfg
     return fit_shared_memory(cfg, limit, x_bytes=dtype.itemsize, weight_bytes=1 if quant else dtype.itemsize)
@@ -469,8 +469,17 @@ def fit_shared_memory(cfg: ExpertsConfig, limit: int, x_bytes: int = 2,
     return replace(cfg, gemm1=gemm1, gemm2=gemm2)
 
 
+def _shared_memory_limit(device_index: int | None) -> int | None:
+    """The device's opt-in shared memory a block, bytes; None where it cannot be read (torch does
+    not report it, or no CUDA runtime answers: the tuner's CPU tests name a device they fake)."""
+    try:
+        index = device_index if device_index is not None else torch.cuda.current_device()
+        return _device_shared_memory(index)
+    except (AssertionError, RuntimeError):
+        return None
+
+
 @functools.lru_cache(maxsize=16)
-def _shared_memory_limit(device_index: int) -> int | None:
-    """The device's opt-in shared memory a block, bytes (None where torch does not report it)."""
+def _device_shared_memory(device_index: int) -> int | None:
     props = torch.cuda.get_device_properties(device_index)
     return getattr(props, "shared_memory_per_block_optin", None)
