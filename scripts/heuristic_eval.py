@@ -2,7 +2,8 @@
 `safemoe.configs.heuristic_config` timed side by side with the device table's entries.
 
     PYTHONPATH=src python3 scripts/heuristic_eval.py --out OUT_DIR [--shapes qwen3,olmoe,...]
-        [--tokens 1,8,64,256,1024,4096] [--budget 420] [--rules tree,flags,...]
+        [--tokens 1,8,64,256,1024,4096] [--budget 420] [--rules tree,previous,...] [--padded]
+        [--kernel-stats]
 
 Every model shape without a table entry (most of the MoE families `patch()` takes) runs the
 heuristic's tiles, so its distance from a tuned entry is what such a model loses. For each shape
@@ -12,9 +13,11 @@ rule of RULES at that T (each rule a function of the shapes alone, as `heuristic
 "tree" is the heuristic in this tree). Each rule's config is checked against the reference
 first (relative error <= 2e-2, finite). The shapes without entries (OLMoE, Qwen1.5-MoE, Phi-3.5-MoE,
 GLM-4.5-Air: `tune_experts.UNTABLED`) have no tuned reference; there rules are compared with the
-best rule at the point. Writes OUT_DIR/heuristic_eval_<device>.json (every time) and .md (per
+best rule at the point. --padded also times the one-valid-row step of buckets up to
+PDL_MAX_TOKENS; --kernel-stats records registers, spills and shared memory of the GEMM kernels
+each rule's timing loaded. Writes OUT_DIR/heuristic_eval_<device>.json (every time) and .md (per
 regime: each rule's geometric-mean and worst ratio to the table, and to the best rule). A
-measurement script, not a test.
+measurement script, not a test; `GPU_RUN_STAGES=heuristic bash scripts/gpu_run.sh OUT` runs it.
 """
 
 from __future__ import annotations
