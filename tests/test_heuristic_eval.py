@@ -1,0 +1,79 @@
+"""scripts/heuristic_eval.py: its rules and summary run here (the script itself times on a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from safemoe.configs import BLOCK_M_CHOICES, ExpertsConfig, heuristic_config
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load():
+    sys.path.insert(0, str(SCRIPTS))  # the script imports tune_experts beside it
+    try:
+        spec = importlib.util.spec_from_file_location("heuristic_eval", SCRIPTS / "heuristic_eval.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
+
+
+def test_every_rule_gives_a_config_for_every_shape_and_bucket():
+    """Each rule is a function of the shapes alone and returns a valid config with the tree's
+    BLOCK_M (the rules differ in tiles, not in the M-block the dispatch layout uses), on every
+    shape the script times."""
+    evaluation = _load()
+    for name in evaluation.DEFAULT_SHAPES.split(","):
+        num_experts, top_k, hidden, inter = evaluation.SHAPES[name]
+        for tokens in (1, 2, 8, 64, 256, 512, 1024, 4096, 16384):
+            tree = heuristic_config(tokens, num_experts, hidden, inter, top_k, torch.bfloat16)
+            for label, rule in evaluation.RULES.items():
+                cfg = rule(tokens, num_experts, hidden, inter, top_k)
+                where = (label, name, tokens)
+                assert isinstance(cfg, ExpertsConfig) and cfg.block_m in BLOCK_M_CHOICES, where
+                assert cfg.block_m == tree.block_m, where
+    assert set(evaluation.DEFAULT_RULES.split(",")) <= set(evaluation.RULES)
+    assert set(evaluation.UNTABLED) <= set(evaluation.DEFAULT_SHAPES.split(","))
+
+
+def test_previous_rule_is_the_heuristic_before_the_twenty_first_session():
+    """The frozen copy the runs compare with: no PDL, no TMA, 128-column prefill tiles."""
+    previous = _load()._previous
+    decode = previous(8, 128, 2048, 768, 8)
+    tiles = (decode.block_m, decode.gemm1.block_n, decode.gemm1.block_k, decode.gemm1.num_stages)
+    assert tiles == (16, 32, 128, 4)
+    prefill = previous(8192, 128, 2048, 768, 8)
+    assert (prefill.gemm1.block_n, prefill.gemm2.block_n, prefill.gemm1.num_stages) == (128, 128, 3)
+    for cfg in (decode, prefill):
+        assert not cfg.pdl and not cfg.gemm1.tma and not cfg.gemm2.tma and not cfg.gemm1.interleave
+    assert not prefill.few and previous(1024, 128, 2048, 768, 8).few  # 64 rows an expert: a decode bucket
+
+
+def test_summary_ratios_per_regime():
+    """Geometric mean and worst of rule / table, and of rule / the best rule at each point; a
+    point without the table (an untabled shape) counts only against the best rule."""
+    evaluation = _load()
+
+    def row(block_m: int, us: dict[str, float]) -> dict[str, object]:
+        return {"configs": {"tree": {"block_m": block_m}}, "us": us}
+
+    rows = [row(16, {"table": 10.0, "tree": 11.0, "previous": 12.0}),
+            row(16, {"table": 20.0, "tree": 20.0, "previous": 18.0}),
+            row(128, {"tree": 5.0, "previous": 10.0})]
+    lines = evaluation.summarise(rows, ["tree", "previous"])
+    cells = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in lines[2:]}
+    tree16 = [c.strip() for c in cells[("block_m 16", "tree")].strip("|").split("|")]
+    assert math.isclose(float(tree16[2]), math.sqrt(1.1 * 1.0), abs_tol=5e-4) and tree16[3] == "1.100"
+    assert tree16[4] == "2" and tree16[7] == "2"
+    assert math.isclose(float(tree16[5]), math.sqrt(1.0 * 20 / 18), abs_tol=5e-4)
+    previous128 = [c.strip() for c in cells[("block_m 128", "previous")].strip("|").split("|")]
+    assert previous128[2:5] == ["-", "-", "0"] and previous128[5] == "2.000"
+    assert evaluation.summarise(rows, ["tree"], "padded_us")[2:] == []  # no padded times: no rows
