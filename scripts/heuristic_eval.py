@@ -200,7 +200,7 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             timed[(cfg, few)] = label
             before = set(_gemm_kernels()) if kernel_stats else set()
             try:
-                err = _check(case, cfg, few)
+                err = case.check(cfg, few=few)
                 if not err <= MAX_ERROR:
                     row.setdefault("errors", {})[label] = f"relative error {err:.3g}"
                     continue
@@ -259,18 +259,6 @@ def _kernel_stats(before: set[str]) -> list[dict[str, Any]]:
         except Exception as exc:  # another Triton's field names: said, not fatal
             stats.append({"kernel": key.split(":")[0], "error": f"{type(exc).__name__}: {exc}"[:120]})
     return stats
-
-
-def _check(case: Case, cfg: ExpertsConfig, few: ExpertsConfig | None) -> float:
-    """Case.check with explicit few-slot tiles."""
-    from safemoe.reference import experts_reference
-
-    case.step(cfg, few=few)(0)
-    ref = experts_reference(case.xs[0], case.w13, case.w2, case.weights[0], case.ids[0], activation="silu")
-    out = case.outs[0].float()
-    if not bool(torch.isfinite(out).all()):
-        return float("inf")
-    return float((out - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 def _regime(row: dict[str, Any]) -> str:

@@ -938,12 +938,12 @@ class Case:
 
         return run
 
-    def check(self, cfg: ExpertsConfig) -> float:
-        """Frobenius-relative error of this config against the reference on input set 0 (fp8:
-        `experts_fp8_reference`, the same quantisation rules)."""
+    def check(self, cfg: ExpertsConfig, few: ExpertsConfig | str | None = FROM_TABLE) -> float:
+        """Frobenius-relative error of this config (with `few` as in `step`) against the reference
+        on input set 0 (fp8: `experts_fp8_reference`, the same quantisation rules)."""
         from safemoe.reference import experts_fp8_reference, experts_reference
 
-        self.step(cfg)(0)
+        self.step(cfg, few=few)(0)
         if self.fp8 is None:
             ref = experts_reference(
                 self.xs[0], self.w13, self.w2, self.weights[0], self.ids[0], activation="silu"

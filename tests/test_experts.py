@@ -634,6 +634,26 @@ def test_heuristic_tiles_fit_the_shared_memory_of_smaller_cards() -> None:
                 assert fits(ExpertsConfig.from_json(entry), HOPPER_SHARED, weight_bytes), (key, bucket)
 
 
+def test_shared_memory_fit_rejects_bad_arguments() -> None:
+    """Limits and element sizes are checked before any arithmetic; devices must be torch.devices."""
+    from safemoe.configs import SHARED_MEMORY_RESERVE, fit_shared_memory, gemm_shared_memory, heuristic_config
+    from safemoe.kernels.launch import hopper_or_newer, pdl_usable
+
+    cfg = heuristic_config(8192, 128, 2048, 768, 8, torch.bfloat16)
+    for limit in (0, -1, SHARED_MEMORY_RESERVE, 1.5e5, True, "227KB"):
+        with pytest.raises(ValueError, match="limit"):
+            fit_shared_memory(cfg, limit)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="x_bytes"):
+        fit_shared_memory(cfg, HOPPER_SHARED, x_bytes=0)
+    with pytest.raises(ValueError, match="weight_bytes"):
+        gemm_shared_memory(cfg.gemm1, 128, 2, 0.5, True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_m"):
+        gemm_shared_memory(cfg.gemm1, 0, 2, 2, True)
+    for check in (hopper_or_newer, pdl_usable):
+        with pytest.raises(TypeError, match=r"torch\.device"):
+            check("cuda")  # type: ignore[arg-type]
+
+
 def _main_and_small_tiles(one_launch: bool) -> tuple[ExpertsConfig, ExpertsConfig]:
     """Main and small-batch tiles for T = 24, H = 48, I = 40 that differ in every constexpr
     (BLOCK_M/N/K, GROUP_M, EVEN_K, TMA on one side only): block_k 16 divides H (EVEN_K), 32 does

@@ -234,8 +234,9 @@ def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     loads, narrow N (DeepSeek-V3's and Mixtral's tuned decode tiles; the GEMMs stream weights,
     and many programs with deep pipelines keep enough bytes in flight). Prefill (128-row blocks):
     GEMM1's gate and up rows as one interleaved 256-column TMA tile, GEMM2 256 columns, 8 warps,
-    one program an SM. The previous heuristic (no PDL, no TMA, 128-column prefill tiles) was 9%
-    (decode), 17% (32-row blocks) and 16% (prefill) slower than the tables on the tuned shapes.
+    one program an SM. The previous heuristic (no PDL, no TMA, 128-column prefill tiles) was 9-12%
+    (decode), 18-21% (32-row blocks) and 15-16% (prefill) slower than the tables on the tuned shapes
+    (geometric means of two runs).
     """
     rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
     pdl = num_tokens <= PDL_MAX_TOKENS
@@ -421,11 +422,21 @@ def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, t
     chosen = nearest_bucket(num_tokens, buckets or {})
     if buckets and chosen is not None:
         return buckets[chosen]
+    # the heuristic depends on T through its bucket only (PDL_MAX_TOKENS is a bucket)
+    return _fitted_heuristic(token_bucket(num_tokens), num_experts, hidden, inter, top_k, dtype, quant,
+                             _shared_memory_limit(device.index))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fitted_heuristic(bucket: int, num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                      quant: str | None, limit: int | None) -> ExpertsConfig:
+    """The heuristic's config of a bucket, fitted to `limit` bytes of shared memory (None: as it
+    is). Cached: an untabled shape asks for it up to three times a forward (main, small-batch and
+    few-slot tiles)."""
     if quant is not None:
-        cfg = heuristic_fp8_config(num_tokens, num_experts, hidden, inter, top_k, quant)
+        cfg = heuristic_fp8_config(bucket, num_experts, hidden, inter, top_k, quant)
     else:
-        cfg = heuristic_config(num_tokens, num_experts, hidden, inter, top_k, dtype)
-    limit = _shared_memory_limit(device.index)
+        cfg = heuristic_config(bucket, num_experts, hidden, inter, top_k, dtype)
     if limit is None:
         return cfg
     return fit_shared_memory(cfg, limit, x_bytes=dtype.itemsize, weight_bytes=1 if quant else dtype.itemsize)
@@ -440,6 +451,9 @@ def gemm_shared_memory(tiles: GemmTiles, block_m: int, x_bytes: int, weight_byte
     """An upper estimate of one GEMM launch's shared memory: num_stages buffers of its A tile
     [block_m, block_k] and its weight tile [block_k, block_n] (GEMM1: the gate and up tiles, 2 block_n
     columns), A in x's element size (fp8 modes may store it narrower)."""
+    for name, value in (("block_m", block_m), ("x_bytes", x_bytes), ("weight_bytes", weight_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     columns = 2 * tiles.block_n if gemm1 else tiles.block_n
     return tiles.num_stages * tiles.block_k * (block_m * x_bytes + columns * weight_bytes)
 
@@ -451,6 +465,8 @@ def fit_shared_memory(cfg: ExpertsConfig, limit: int, x_bytes: int = 2,
     to 32, until `gemm_shared_memory` fits. The heuristic's tiles are sized for Hopper's 227 KB
     (H100 / H200, where they are unchanged); an A100 (163 KB) or an Ada / consumer card (99 KB) would
     otherwise fail to compile them. Tuned tables are per device and left as they are."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= SHARED_MEMORY_RESERVE:
+        raise ValueError(f"limit must be an int of bytes > {SHARED_MEMORY_RESERVE}, got {limit!r}")
     budget = limit - SHARED_MEMORY_RESERVE
 
     def fit(tiles: GemmTiles, gemm1: bool) -> GemmTiles:

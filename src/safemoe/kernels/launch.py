@@ -69,11 +69,13 @@ def pdl_usable(device: torch.device) -> bool:
     """Whether kernels on `device` may launch with PDL: a CUDA device of compute capability 9.0
     or newer (griddepcontrol is Hopper's) and a Triton with the launch option. A config asking
     for PDL on another device launches without it."""
-    return device.type == "cuda" and pdl_supported() and hopper_or_newer(device)
+    return hopper_or_newer(device) and pdl_supported()
 
 
 def hopper_or_newer(device: torch.device) -> bool:
     """Whether `device` is a CUDA device of compute capability 9.0 or newer (TMA, wgmma, PDL)."""
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
     if device.type != "cuda":
         return False
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
