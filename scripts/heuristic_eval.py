@@ -3,7 +3,7 @@
 
     PYTHONPATH=src python3 scripts/heuristic_eval.py --out OUT_DIR [--shapes qwen3,olmoe,...]
         [--tokens 1,8,64,256,1024,4096] [--budget 420] [--rules tree,previous,...] [--padded]
-        [--kernel-stats]
+        [--kernel-stats] [--quant per_tensor|block]
 
 Every model shape without a table entry (most of the MoE families `patch()` takes) runs the
 heuristic's tiles, so its distance from a tuned entry is what such a model loses. For each shape
@@ -15,7 +15,9 @@ first (relative error <= 2e-2, finite). The shapes without entries (OLMoE, Qwen1
 GLM-4.5-Air: `tune_experts.UNTABLED`) have no tuned reference; there rules are compared with the
 best rule at the point. --padded also times the one-valid-row step of buckets up to
 PDL_MAX_TOKENS; --kernel-stats records registers, spills and shared memory of the GEMM kernels
-each rule's timing loaded. Writes OUT_DIR/heuristic_eval_<device>.json (every time) and .md (per
+each rule's timing loaded. --quant times fp8 weights of that mode instead, against the device
+table's fp8 entries, with FP8_RULES (`heuristic_fp8_config` as "tree"); the fp8 path has no
+few-slot tiles. Writes OUT_DIR/heuristic_eval[_fp8-<mode>]_<device>.json (every time) and .md (per
 regime: each rule's geometric-mean and worst ratio to the table, and to the best rule). A
 measurement script, not a test; `GPU_RUN_STAGES=heuristic bash scripts/gpu_run.sh OUT` runs it.
 """
@@ -23,6 +25,7 @@ measurement script, not a test; `GPU_RUN_STAGES=heuristic bash scripts/gpu_run.s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -40,14 +43,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from tune_experts import PDL_MAX_TOKENS, SHAPES, UNTABLED, Case, make_weights, precompile  # noqa: E402
+from tune_experts import (  # noqa: E402
+    PDL_MAX_TOKENS,
+    QUANT_MODES,
+    SHAPES,
+    UNTABLED,
+    Case,
+    make_weights,
+    precompile,
+    quantize_weights,
+)
 
 from safemoe.configs import (  # noqa: E402
     ExpertsConfig,
     GemmTiles,
     get_config,
     heuristic_config,
+    heuristic_fp8_config,
+    limit_block_k,
     load_device_configs,
+    nearest_bucket,
     shape_key,
     token_bucket,
 )
@@ -160,6 +175,58 @@ RULES: dict[str, Rule] = {
 }
 DEFAULT_RULES = "tree,previous,tree_no_few"
 
+Fp8Rule = Callable[[int, int, int, int, int, str], ExpertsConfig]  # (T, E, H, I, K, quant) -> config
+
+
+def _fp8_fit(cfg: ExpertsConfig, quant: str) -> ExpertsConfig:
+    """As get_config serves fp8 tiles: block mode's K steps inside one 128-wide scale group."""
+    return limit_block_k(cfg, 128) if quant == "block" else cfg
+
+
+def _fp8_tree(t: int, e: int, h: int, i: int, k: int, quant: str) -> ExpertsConfig:
+    return _fp8_fit(heuristic_fp8_config(t, e, h, i, k, quant), quant)
+
+
+def _fp8_previous(t: int, e: int, h: int, i: int, k: int, quant: str) -> ExpertsConfig:
+    """heuristic_fp8_config until 2026-12-01: BLOCK_M 16 up to 16 rows an expert, 32 up to 48, 64
+    up to 96 (a block of the mean rows, not above it); decode tiles 32 / 64 columns, 128-wide K
+    steps, 6 stages, no swapped product; PDL on every block under 128 rows whatever T."""
+    rows = token_bucket(t) * k / e
+    if rows <= 16:
+        return ExpertsConfig(16, _gemm(32, 128, 4, 6, 1, tma=False), _gemm(64, 128, 4, 6, 1, tma=False),
+                             pdl=True)
+    if rows <= 96:
+        block_m = 32 if rows <= 48 else 64
+        gemm2 = _gemm(64 if block_m == 32 else 128, 128, 4, 4, 4, tma=False)
+        return ExpertsConfig(block_m, _gemm(64, 128, 4, 4, 4, tma=False), gemm2, pdl=True)
+    return ExpertsConfig(128, _gemm(128, 128, 8, 3, 8), _gemm(256, 128, 8, 3, 8), programs_per_sm=1)
+
+
+def _fp8_prev_tiles(t: int, e: int, h: int, i: int, k: int, quant: str) -> ExpertsConfig:
+    """The tree's BLOCK_M and PDL with the previous heuristic's tiles of that BLOCK_M (what the
+    M-block rule alone is worth)."""
+    tree = _fp8_tree(t, e, h, i, k, quant)
+    if tree.block_m == 16:
+        gemm1, gemm2 = _gemm(32, 128, 4, 6, 1, tma=False), _gemm(64, 128, 4, 6, 1, tma=False)
+    elif tree.block_m in (32, 64):
+        gemm1 = _gemm(64, 128, 4, 4, 4, tma=False)
+        gemm2 = _gemm(64 if tree.block_m == 32 else 128, 128, 4, 4, 4, tma=False)
+    else:
+        return tree
+    return replace(tree, gemm1=gemm1, gemm2=gemm2)
+
+
+def _fp8_no_swap(t: int, e: int, h: int, i: int, k: int, quant: str) -> ExpertsConfig:
+    """The tree without the swapped product (16- and 32-row tiles as plain products)."""
+    cfg = _fp8_tree(t, e, h, i, k, quant)
+    return replace(cfg, gemm1=replace(cfg.gemm1, swap_ab=False), gemm2=replace(cfg.gemm2, swap_ab=False))
+
+
+FP8_RULES: dict[str, Fp8Rule] = {
+    "tree": _fp8_tree, "previous": _fp8_previous, "prev_tiles": _fp8_prev_tiles, "no_swap": _fp8_no_swap,
+}
+DEFAULT_FP8_RULES = "tree,previous,prev_tiles"
+
 
 def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig) -> ExpertsConfig | None:
     """The few-slot tiles an untabled shape would run beside cfg: the rule's own at few_slots_bucket(K)."""
@@ -168,20 +235,23 @@ def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig)
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
              log: Callable[[str], None], padded: bool = False,
-             kernel_stats: bool = False) -> list[dict[str, Any]]:
+             kernel_stats: bool = False, quant: str | None = None) -> list[dict[str, Any]]:
     e, k, h, i = SHAPES[name]
-    tabled = bool(load_device_configs(torch.cuda.get_device_name(device)).get(
-        shape_key(e, h, i, k, torch.bfloat16)))
+    entries = load_device_configs(torch.cuda.get_device_name(device)).get(
+        shape_key(e, h, i, k, torch.bfloat16, quant), {})
     w13, w2 = make_weights(name, device)
+    fp8 = None
+    if quant is not None:
+        w13, w2, fp8 = quantize_weights(w13, w2, quant)
     rows = []
     for t in tokens:
         if time.monotonic() > deadline:
             log(f"{name} T={t}: budget spent, stopping")
             break
-        case = Case(name, w13, w2, t)
+        case = Case(name, w13, w2, t, fp8=fp8)
         row: dict[str, Any] = {"shape": name, "T": t, "rows_per_expert": t * k / e, "us": {}, "configs": {}}
-        if tabled:
-            cfg = get_config(t, e, h, i, k, torch.bfloat16, device)
+        if nearest_bucket(t, entries) is not None:  # a tuned entry serves T (else get_config is the tree)
+            cfg = get_config(t, e, h, i, k, torch.bfloat16, device, quant)
             row["us"]["table"] = case.time(cfg)
             if padded and few_slots_bucket(k) < t <= PDL_MAX_TOKENS:
                 row.setdefault("padded_us", {})["table"] = case.time(cfg, num_valid=1)
@@ -190,7 +260,7 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
         for label, rule in rules.items():
             cfg = rule(t, e, h, i, k)
             row["configs"][label] = cfg.to_json()
-            few = _few(rule, t, e, h, i, k, cfg)
+            few = None if quant is not None else _few(rule, t, e, h, i, k, cfg)  # fp8: no few-slot path
             if (cfg, few) in timed:  # the same launches as another rule here: its times
                 twin = timed[(cfg, few)]
                 for field in ("us", "padded_us"):
@@ -285,12 +355,31 @@ def summarise(rows: list[dict[str, Any]], labels: list[str], field: str = "us") 
     return lines
 
 
+def select_rules(labels: str | None, quant: str | None) -> dict[str, Rule]:
+    """The rules --rules names (the defaults when None), "tree" always among them; with `quant`,
+    FP8_RULES bound to that mode."""
+    known: dict[str, Any] = RULES if quant is None else FP8_RULES
+    chosen = (labels or (DEFAULT_RULES if quant is None else DEFAULT_FP8_RULES)).split(",")
+    unknown = [label for label in chosen if label and label not in known]
+    if unknown:
+        where = " with --quant" if quant else ""
+        raise SystemExit(f"--rules: unknown {unknown}; known{where}: {', '.join(known)}")
+    labels_in_order = ["tree", *[label for label in chosen if label and label != "tree"]]
+    if quant is None:
+        return {label: RULES[label] for label in labels_in_order}
+    return {label: functools.partial(FP8_RULES[label], quant=quant) for label in labels_in_order}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
-    parser.add_argument("--rules", default=DEFAULT_RULES, help=f"of {', '.join(RULES)}")
+    parser.add_argument("--rules", default=None,
+                        help=f"of {', '.join(RULES)} (default {DEFAULT_RULES}); with --quant of "
+                        f"{', '.join(FP8_RULES)} (default {DEFAULT_FP8_RULES})")
+    parser.add_argument("--quant", choices=QUANT_MODES, default=None,
+                        help="fp8 weights of this mode, against the device table's fp8 entries")
     parser.add_argument("--padded", action="store_true",
                         help="also time the one-valid-row step of buckets up to PDL_MAX_TOKENS")
     parser.add_argument("--kernel-stats", action="store_true",
@@ -305,13 +394,12 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
     tokens = [int(t) for t in args.tokens.split(",") if t]
-    rules = {label: RULES[label] for label in args.rules.split(",") if label}
-    if "tree" not in rules:
-        rules = {"tree": _tree, **rules}
+    rules = select_rules(args.rules, args.quant)
     device = torch.device("cuda", 0)
     device_name = torch.cuda.get_device_name(device)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"heuristic_eval_{device_name.replace(' ', '-')}"
+    mode = "" if args.quant is None else f"_fp8-{args.quant}"
+    stem = args.out / f"heuristic_eval{mode}_{device_name.replace(' ', '-')}"
     lines: list[str] = []
 
     def log(line: str) -> None:
@@ -324,7 +412,8 @@ def main() -> int:
         e, k, h, i = SHAPES[name]
         for t in tokens:
             configs = {rule(t, e, h, i, k) for rule in rules.values()}
-            tasks.append((name, t, [(c.to_json(), None) for c in configs], None))
+            configs.add(get_config(t, e, h, i, k, torch.bfloat16, device, args.quant))  # the table's
+            tasks.append((name, t, [(c.to_json(), None) for c in configs], args.quant))
     failures = precompile(tasks, args.jobs)
     log(f"precompiled {len(tasks)} tasks in {time.monotonic() - start:.0f} s; {len(failures)} failures")
     for line in failures:
@@ -332,9 +421,10 @@ def main() -> int:
     deadline = time.monotonic() + args.budget
     rows: list[dict[str, Any]] = []
     for name in names:
-        rows += evaluate(name, tokens, rules, device, deadline, log, args.padded, args.kernel_stats)
+        rows += evaluate(name, tokens, rules, device, deadline, log, args.padded, args.kernel_stats,
+                         args.quant)
         payload = {
-            "device": device_name, "torch": torch.__version__,
+            "device": device_name, "torch": torch.__version__, "quant": args.quant,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "untabled": [n for n in names if n in UNTABLED], "rows": rows,
         }
@@ -345,8 +435,9 @@ def main() -> int:
                   *summarise(rows, list(rules), "padded_us")]
     for line in table:
         log(line)
+    title = "heuristic_eval.py" + ("" if args.quant is None else f" --quant {args.quant}")
     stem.with_suffix(".md").write_text(
-        f"# heuristic_eval.py, {device_name}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+        f"# {title}, {device_name}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
         + "\n".join(table) + "\n\n```\n" + "\n".join(lines) + "\n```\n")
     return 0
 

@@ -580,6 +580,40 @@ def test_heuristic_launch_flags_follow_the_tuned_tables() -> None:
     assert not pdl_usable(cpu) and not hopper_or_newer(cpu)
 
 
+def test_fp8_heuristic_follows_the_fp8_tables() -> None:
+    """heuristic_fp8_config's BLOCK_M is the smallest block above the expected rows (128 from 96
+    rows on), as the tuned fp8 entries of both device tables found (H200 tuned at every bucket
+    from 8 to 8192 on 2026-12-01): it matches at least 90% of them and is never more than one step
+    off. PDL up to PDL_MAX_TOKENS; decode and 32-row tiles take the swapped product; block mode's
+    K steps stay inside one 128-wide scale group."""
+    import json
+    from pathlib import Path
+
+    from safemoe.configs import PDL_MAX_TOKENS, heuristic_fp8_config
+
+    qwen3 = [heuristic_fp8_config(t, 128, 2048, 768, 8, "block").block_m for t in (128, 256, 512, 1024, 2048)]
+    assert qwen3 == [16, 32, 64, 64, 128]  # 8, 16, 32, 64, 128 rows an expert
+    pairs = []
+    tables = Path(safemoe.__file__).parent / "configs"
+    for path in sorted(tables.glob("NVIDIA_*.json")):
+        for key, entries in json.loads(path.read_text())["configs"].items():
+            if "fp8" not in key:
+                continue
+            num_experts, hidden, inter, top_k = (int(f[1:]) for f in key.split("_")[:4])
+            quant = key.split("_fp8-")[1]
+            for bucket, entry in entries.items():
+                cfg = heuristic_fp8_config(int(bucket), num_experts, hidden, inter, top_k, quant)
+                pairs.append((path.name, key, bucket, entry["block_m"], cfg.block_m))
+                assert cfg.pdl == (int(bucket) <= PDL_MAX_TOKENS)
+                assert (cfg.gemm1.swap_ab, cfg.gemm2.swap_ab) == (cfg.block_m <= 32, cfg.block_m <= 32)
+                if quant == "block":
+                    assert max(cfg.gemm1.block_k, cfg.gemm2.block_k) <= 128, (key, bucket)
+    assert len(pairs) >= 64
+    off = [p for p in pairs if p[3] != p[4]]
+    assert len(off) <= 0.1 * len(pairs), off
+    assert all(max(t, h) == 2 * min(t, h) for *_, t, h in off), off
+
+
 HOPPER_SHARED = 232448  # opt-in shared memory a block: H100 / H200
 A100_SHARED = 166912
 ADA_SHARED = 101376  # L40S, RTX 4090
@@ -602,8 +636,8 @@ def test_heuristic_tiles_fit_the_shared_memory_of_smaller_cards() -> None:
         heuristic_fp8_config,
     )
 
-    def fits(cfg: ExpertsConfig, limit: int, weight_bytes: int) -> bool:
-        return all(gemm_shared_memory(t, cfg.block_m, 2, weight_bytes, g1) <= limit - SHARED_MEMORY_RESERVE
+    def fits(cfg: ExpertsConfig, limit: int, element: int) -> bool:  # fp8: A tiles fp8 too
+        return all(gemm_shared_memory(t, cfg.block_m, element, element, g1) <= limit - SHARED_MEMORY_RESERVE
                    for t, g1 in ((cfg.gemm1, True), (cfg.gemm2, False)))
 
     shapes = [(128, 2048, 768, 8), (8, 4096, 14336, 2), (256, 7168, 2048, 8), (60, 2048, 1408, 4)]
@@ -613,11 +647,11 @@ def test_heuristic_tiles_fit_the_shared_memory_of_smaller_cards() -> None:
             heuristics = [(heuristic_config(tokens, num_experts, hidden, inter, top_k, torch.bfloat16), 2)]
             heuristics += [(heuristic_fp8_config(tokens, num_experts, hidden, inter, top_k, q), 1)
                            for q in ("per_tensor", "block")]
-            for cfg, weight_bytes in heuristics:
-                assert fit_shared_memory(cfg, HOPPER_SHARED, 2, weight_bytes) == cfg
+            for cfg, element in heuristics:
+                assert fit_shared_memory(cfg, HOPPER_SHARED, element, element) == cfg
                 for limit in (A100_SHARED, ADA_SHARED):
-                    fitted = fit_shared_memory(cfg, limit, 2, weight_bytes)
-                    assert fits(fitted, limit, weight_bytes), (tokens, cfg, limit)
+                    fitted = fit_shared_memory(cfg, limit, element, element)
+                    assert fits(fitted, limit, element), (tokens, cfg, limit)
                     for old, new in ((cfg.gemm1, fitted.gemm1), (cfg.gemm2, fitted.gemm2)):
                         assert (new.block_n, fitted.block_m) == (old.block_n, cfg.block_m)
                         assert 2 <= new.num_stages <= old.num_stages and old.block_k % new.block_k == 0
@@ -630,8 +664,8 @@ def test_heuristic_tiles_fit_the_shared_memory_of_smaller_cards() -> None:
     for path in sorted(tables.glob("NVIDIA_*.json")):
         for key, entries in json.loads(path.read_text())["configs"].items():
             for bucket, entry in entries.items():
-                weight_bytes = 1 if "fp8" in key else 2
-                assert fits(ExpertsConfig.from_json(entry), HOPPER_SHARED, weight_bytes), (key, bucket)
+                element = 1 if "fp8" in key else 2
+                assert fits(ExpertsConfig.from_json(entry), HOPPER_SHARED, element), (key, bucket)
 
 
 def test_shared_memory_fit_rejects_bad_arguments() -> None:

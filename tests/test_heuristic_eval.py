@@ -7,9 +7,10 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from safemoe.configs import BLOCK_M_CHOICES, ExpertsConfig, heuristic_config
+from safemoe.configs import BLOCK_M_CHOICES, ExpertsConfig, heuristic_config, heuristic_fp8_config
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -77,3 +78,54 @@ def test_summary_ratios_per_regime():
     previous128 = [c.strip() for c in cells[("block_m 128", "previous")].strip("|").split("|")]
     assert previous128[2:5] == ["-", "-", "0"] and previous128[5] == "2.000"
     assert evaluation.summarise(rows, ["tree"], "padded_us")[2:] == []  # no padded times: no rows
+
+
+def test_fp8_rules_give_configs_for_every_shape_and_bucket():
+    """The fp8 rules, bound to a mode by select_rules, return valid configs on every shape: the
+    tree is heuristic_fp8_config, every rule but the frozen previous one keeps the tree's BLOCK_M,
+    and block mode's K steps stay inside one 128-wide scale group."""
+    evaluation = _load()
+    for quant in ("per_tensor", "block"):
+        rules = evaluation.select_rules("tree,previous,prev_tiles,no_swap", quant)
+        assert list(rules) == ["tree", "previous", "prev_tiles", "no_swap"]
+        for name in evaluation.DEFAULT_SHAPES.split(","):
+            num_experts, top_k, hidden, inter = evaluation.SHAPES[name]
+            for tokens in (1, 8, 64, 256, 512, 1024, 2048, 8192):
+                tree = heuristic_fp8_config(tokens, num_experts, hidden, inter, top_k, quant)
+                for label, rule in rules.items():
+                    cfg = rule(tokens, num_experts, hidden, inter, top_k)
+                    where = (quant, label, name, tokens)
+                    assert isinstance(cfg, ExpertsConfig), where
+                    if label != "previous":
+                        assert cfg.block_m == tree.block_m, where
+                    if quant == "block":
+                        assert max(cfg.gemm1.block_k, cfg.gemm2.block_k) <= 128, where
+                    if label == "no_swap":
+                        assert not cfg.gemm1.swap_ab and not cfg.gemm2.swap_ab, where
+                assert rules["tree"](tokens, num_experts, hidden, inter, top_k).block_m == tree.block_m
+
+
+def test_fp8_previous_rule_is_the_heuristic_before_the_twenty_second_session():
+    """The frozen copy: a block of the mean rows (16 rows an expert -> 16, 32 -> 32), no swapped
+    product, PDL on every block under 128 rows whatever T."""
+    previous = _load()._fp8_previous
+    assert previous(256, 128, 2048, 768, 8, "block").block_m == 16  # 16 rows an expert
+    assert previous(512, 128, 2048, 768, 8, "block").block_m == 32  # 32 rows
+    assert previous(1024, 128, 2048, 768, 8, "block").block_m == 64
+    decode = previous(8, 128, 2048, 768, 8, "per_tensor")
+    assert (decode.gemm1.block_n, decode.gemm1.block_k, decode.gemm1.num_stages) == (32, 128, 6)
+    assert not decode.gemm1.swap_ab and decode.pdl
+    assert previous(4096, 512, 2048, 512, 10, "block").pdl  # 80 rows: PDL although T > 1024
+    assert not previous(8192, 128, 2048, 768, 8, "block").pdl
+
+
+def test_select_rules_defaults_and_unknown_labels():
+    """The defaults per mode, the tree always first, an unknown label named in the error."""
+    evaluation = _load()
+    assert list(evaluation.select_rules(None, None)) == evaluation.DEFAULT_RULES.split(",")
+    assert list(evaluation.select_rules(None, "block")) == evaluation.DEFAULT_FP8_RULES.split(",")
+    assert list(evaluation.select_rules("previous", None)) == ["tree", "previous"]
+    with pytest.raises(SystemExit, match="no_swap"):
+        evaluation.select_rules("no_swap", None)  # an fp8 rule without --quant
+    with pytest.raises(SystemExit, match="wide_k"):
+        evaluation.select_rules("wide_k", "block")

@@ -299,44 +299,57 @@ def _heuristic_fp32(rows_per_expert: float, pdl: bool) -> ExpertsConfig:
 
 def heuristic_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                          quant: str) -> ExpertsConfig:
-    """Tiles for fp8 weights (untuned; from the bf16 tuning's byte counts and one H200 run).
+    """Tiles for fp8 weights without a tuned entry, from the expected rows per expert.
 
-    Decode: 128-wide K steps (128 bytes a weight row) with 6 pipeline stages in both modes (block
-    mode cannot step wider than its 128-wide scale groups). In the H200 run of 2026-11-21 block
-    mode with these tiles beat per-tensor's then 256-wide, 4-stage tiles on DeepSeek-V3 at T = 64
-    and 256 (2595 vs 2742 us, 3056 vs 3250 us) although its quantisation launches of that run cost
-    far more (407 us measured alone at T = 8), so per-tensor uses them too (not re-measured). Prefill:
-    128-row M-blocks, 128-wide K steps (128 bytes, like bf16's 64), 8 warps, TMA weights, GEMM1
-    128 columns (times gate and up), GEMM2 256.
+    BLOCK_M as in `heuristic_config`: the smallest block above the expected rows (16, 32, 64),
+    128 from 96 rows on. The H200 fp8 tables, tuned on every bucket from T = 8 to 8192 on
+    Qwen3-30B-A3B and DeepSeek-V3 in both modes (2026-11-26 decode, 2026-12-01 the rest), agree at
+    every point: at 16 and 32 rows an expert the 32- and 64-row blocks beat the previous heuristic's
+    16- and 32-row ones by 19-39% (DeepSeek-V3 T = 512 / 1024, Qwen3 T = 512), and at 64 rows the
+    64-row blocks held (fp8 tiles are half the bytes, so a 64-row tile still streams its weights).
+    Decode and the 32-row blocks use the swapped product (`swap_ab`: the weights on wgmma's M side,
+    native e4m3, where the plain 16-row product converts to f16), as the tables' decode entries
+    do, with 128-wide K steps in block mode (one scale group a step) and 256-wide per tensor. Prefill
+    (measured on an H200, 2026-11-26, scripts/debug/fp8_prefill.py, T = 8192, us per experts call,
+    older tiles -> these: block Qwen3 1329 -> 1166, DeepSeek-V3 10483 -> 9359; per-tensor Qwen3
+    1139 -> 1056, DeepSeek-V3 8465 -> 7603; the 2026-12-01 tune kept them at T = 2048 to 8192):
+    128-row M-blocks, 128-wide K steps, 8 warps, TMA weights, GEMM1 128 columns (times gate and
+    up; it spills ~10 registers on triton 3.6 and is still the fastest), GEMM2 256 (two halves,
+    QUANT 4 of kernels/experts.py). PDL up to PDL_MAX_TOKENS, as the tables and `heuristic_config`.
     """
     rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
-    if rows_per_expert <= 16:
+    pdl = num_tokens <= PDL_MAX_TOKENS
+    wide_k = 256 if quant == "per_tensor" else 128  # block mode: one K step inside one scale group
+    if rows_per_expert < 16:
         return ExpertsConfig(
             block_m=16,
-            gemm1=GemmTiles(block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=6),
-            gemm2=GemmTiles(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=6),
-            pdl=True,
+            gemm1=GemmTiles(block_n=64, block_k=wide_k, group_m=1, num_warps=4,
+                            num_stages=3 if wide_k == 256 else 6, swap_ab=True),
+            gemm2=GemmTiles(block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4, tma=True,
+                            swap_ab=True),
+            pdl=pdl,
+        )
+    if rows_per_expert < 32:
+        return ExpertsConfig(
+            block_m=32,
+            gemm1=GemmTiles(block_n=64, block_k=wide_k, group_m=4, num_warps=4, num_stages=4, swap_ab=True),
+            gemm2=GemmTiles(block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3, tma=True,
+                            swap_ab=True),
+            pdl=pdl,
         )
     if rows_per_expert <= 96:
-        block_m = 32 if rows_per_expert <= 48 else 64
         return ExpertsConfig(
-            block_m=block_m,
-            gemm1=GemmTiles(block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=4),
-            gemm2=GemmTiles(block_n=64 if block_m == 32 else 128, block_k=128, group_m=4, num_warps=4,
-                            num_stages=4),
-            pdl=True,
+            block_m=64,
+            gemm1=GemmTiles(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4),
+            gemm2=GemmTiles(block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3, tma=True),
+            pdl=pdl,
         )
-    # Prefill, measured on an H200 (2026-11-26, scripts/debug/fp8_prefill.py, T = 8192, us per
-    # experts call, old tiles -> these, one run each): block Qwen3 1329 -> 1166, DeepSeek-V3
-    # 10483 -> 9359 (GEMM1 at 128 columns spills ~10 registers on triton 3.6 and is still the
-    # fastest; GEMM2 256 columns as two halves, QUANT 4 of kernels/experts.py); per-tensor Qwen3
-    # 1139 -> 1056, DeepSeek-V3 8465 -> 7603. 22 other candidates were slower (bench/results/logs/
-    # fp8_prefill*_NVIDIA-H200_2026-11-26.*).
     return ExpertsConfig(
         block_m=128,
         gemm1=GemmTiles(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, tma=True),
         gemm2=GemmTiles(block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3, tma=True),
         programs_per_sm=1,
+        pdl=pdl,
     )
 
 
@@ -439,7 +452,9 @@ def _fitted_heuristic(bucket: int, num_experts: int, hidden: int, inter: int, to
         cfg = heuristic_config(bucket, num_experts, hidden, inter, top_k, dtype)
     if limit is None:
         return cfg
-    return fit_shared_memory(cfg, limit, x_bytes=dtype.itemsize, weight_bytes=1 if quant else dtype.itemsize)
+    # fp8: both GEMMs read fp8 A tiles (x and the intermediate are quantised before them)
+    element = 1 if quant else dtype.itemsize
+    return fit_shared_memory(cfg, limit, x_bytes=element, weight_bytes=element)
 
 
 # Shared memory a GEMM launch needs beyond its pipeline buffers (barriers, the epilogue's layout
@@ -450,7 +465,8 @@ SHARED_MEMORY_RESERVE = 4096
 def gemm_shared_memory(tiles: GemmTiles, block_m: int, x_bytes: int, weight_bytes: int, gemm1: bool) -> int:
     """An upper estimate of one GEMM launch's shared memory: num_stages buffers of its A tile
     [block_m, block_k] and its weight tile [block_k, block_n] (GEMM1: the gate and up tiles, 2 block_n
-    columns), A in x's element size (fp8 modes may store it narrower)."""
+    columns), A in `x_bytes` a element (1 with fp8 weights: the GEMMs read x and the intermediate
+    quantised)."""
     for name, value in (("block_m", block_m), ("x_bytes", x_bytes), ("weight_bytes", weight_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
