@@ -57,6 +57,7 @@ from tune_experts import (  # noqa: E402
 from safemoe.configs import (  # noqa: E402
     ExpertsConfig,
     GemmTiles,
+    few_tiles_within,
     get_config,
     heuristic_config,
     heuristic_fp8_config,
@@ -121,6 +122,12 @@ def _flags(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
     return replace(cfg, pdl=t <= PDL_MAX_TOKENS, gemm1=gemm1, gemm2=replace(cfg.gemm2, tma=True))
 
 
+def _tree_raw_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tree with the few-slot tiles compiled into larger launches as the decode bucket has
+    them (before `few_tiles_within`, twenty-second session): the tree's tiles, see RAW_FEW."""
+    return _tree(t, e, h, i, k)
+
+
 def _gemm(n: int, k: int, warps: int, stages: int, group_m: int, tma: bool = True,
           interleave: bool = False) -> GemmTiles:
     return GemmTiles(block_n=n, block_k=k, group_m=group_m, num_warps=warps, num_stages=stages, tma=tma,
@@ -170,7 +177,8 @@ def _by_tiles(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
 # by_tiles; the tree took wide_k's tiles, modes' at 64-row blocks. Default: the tree against the
 # previous heuristic and the few-slot variant.
 RULES: dict[str, Rule] = {
-    "tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "prev64": _prev64,
+    "tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "tree_raw_few": _tree_raw_few,
+    "prev64": _prev64,
     "light_few": _light_few, "flags": _flags, "modes": _modes, "wide_k": _wide_k, "by_tiles": _by_tiles,
 }
 DEFAULT_RULES = "tree,previous,tree_no_few"
@@ -228,9 +236,18 @@ FP8_RULES: dict[str, Fp8Rule] = {
 DEFAULT_FP8_RULES = "tree,previous,prev_tiles"
 
 
-def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig) -> ExpertsConfig | None:
-    """The few-slot tiles an untabled shape would run beside cfg: the rule's own at few_slots_bucket(K)."""
-    return few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k))
+RAW_FEW = {"tree_raw_few", "light_few"}  # rules whose few-slot tiles are not fitted to the main tiles'
+
+
+def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
+         fit: bool = True) -> ExpertsConfig | None:
+    """The few-slot tiles an untabled shape would run beside cfg: the rule's own at
+    few_slots_bucket(K), fitted to cfg's shared memory where they go into cfg's launches (as
+    `few_slots_config` does; `fit` False: as they are)."""
+    few = few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k))
+    if few is None or few is cfg or not fit:
+        return few
+    return few_tiles_within(few, cfg)
 
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
@@ -260,7 +277,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
         for label, rule in rules.items():
             cfg = rule(t, e, h, i, k)
             row["configs"][label] = cfg.to_json()
-            few = None if quant is not None else _few(rule, t, e, h, i, k, cfg)  # fp8: no few-slot path
+            # fp8: no few-slot path
+            few = None if quant is not None else _few(rule, t, e, h, i, k, cfg, fit=label not in RAW_FEW)
             if (cfg, few) in timed:  # the same launches as another rule here: its times
                 twin = timed[(cfg, few)]
                 for field in ("us", "padded_us"):

@@ -614,6 +614,36 @@ def test_fp8_heuristic_follows_the_fp8_tables() -> None:
     assert all(max(t, h) == 2 * min(t, h) for *_, t, h in off), off
 
 
+def test_few_slot_tiles_fit_inside_an_untabled_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few-slot tiles compiled into a larger bucket's launch never raise its shared memory for a
+    shape without a table (a launch holds both paths' buffers): the heuristic's 64-row GEMM2 (96 KB)
+    keeps the decode tiles' 256-wide K steps at 2 stages instead of 3 (120 KB, one program an SM
+    instead of two on an H200). A tabled shape keeps the few-slot tiles it was tuned with; a bucket
+    whose every batch takes the path runs its own tiles."""
+    from safemoe.configs import few_tiles_within, gemm_shared_memory, heuristic_config
+    from safemoe.kernels import experts as ex
+
+    shape = (64, 2048, 1024, 8)  # OLMoE: 32 rows an expert at T = 256
+    main = heuristic_config(256, *shape[:3], shape[3], torch.bfloat16)
+    decode = heuristic_config(ex.few_slots_bucket(8), *shape[:3], shape[3], torch.bfloat16)
+    assert main.block_m == 64 and decode.block_m == 16
+    fitted = few_tiles_within(decode, main)
+    assert fitted.gemm1 == decode.gemm1  # GEMM1's decode tiles already fit the main tiles' 160 KB
+    assert (fitted.gemm2.num_stages, fitted.gemm2.block_k, fitted.gemm2.block_n) == (2, 256, 64)
+    for gemm1, name in ((True, "gemm1"), (False, "gemm2")):
+        own = gemm_shared_memory(getattr(main, name), main.block_m, 2, 2, gemm1)
+        assert gemm_shared_memory(getattr(fitted, name), 16, 2, 2, gemm1) <= own
+    assert few_tiles_within(fitted, main) is fitted  # already inside: the same object back
+    assert few_tiles_within(decode, heuristic_config(8192, *shape[:3], shape[3], torch.bfloat16)) is decode
+
+    monkeypatch.setattr(ex, "get_config", lambda *args, **kwargs: decode)
+    cpu = torch.device("cpu")
+    for tabled, expected in ((False, fitted), (True, decode)):
+        monkeypatch.setattr(ex, "has_table", lambda *args, tabled=tabled, **kwargs: tabled)
+        assert ex.few_slots_config(256, *shape[:3], shape[3], torch.bfloat16, cpu, main) == expected
+        assert ex.few_slots_config(2, *shape[:3], shape[3], torch.bfloat16, cpu, decode) is decode
+
+
 HOPPER_SHARED = 232448  # opt-in shared memory a block: H100 / H200
 A100_SHARED = 166912
 ADA_SHARED = 101376  # L40S, RTX 4090

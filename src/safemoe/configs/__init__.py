@@ -426,6 +426,15 @@ def _nearest_of_bucket(bucket: int, buckets: tuple[int, ...]) -> int | None:
     return chosen if octaves[chosen] <= 1 else None
 
 
+def has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+              device: torch.device, quant: str | None = None) -> bool:
+    """Whether `device`'s table has tuned entries for this shape (False off CUDA)."""
+    if device.type != "cuda":
+        return False
+    table = load_device_configs(torch.cuda.get_device_name(device))
+    return bool(table.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant)))
+
+
 def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                    dtype: torch.dtype, device: torch.device, quant: str | None) -> ExpertsConfig:
     if device.type != "cuda":
@@ -484,21 +493,46 @@ def fit_shared_memory(cfg: ExpertsConfig, limit: int, x_bytes: int = 2,
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= SHARED_MEMORY_RESERVE:
         raise ValueError(f"limit must be an int of bytes > {SHARED_MEMORY_RESERVE}, got {limit!r}")
     budget = limit - SHARED_MEMORY_RESERVE
-
-    def fit(tiles: GemmTiles, gemm1: bool) -> GemmTiles:
-        while gemm_shared_memory(tiles, cfg.block_m, x_bytes, weight_bytes, gemm1) > budget:
-            if tiles.num_stages > 2:
-                tiles = replace(tiles, num_stages=tiles.num_stages - 1)
-            elif tiles.block_k > 32:
-                tiles = replace(tiles, block_k=tiles.block_k // 2)
-            else:
-                break  # the smallest pipeline this rule makes; Triton reports what is left
-        return tiles
-
-    gemm1, gemm2 = fit(cfg.gemm1, True), fit(cfg.gemm2, False)
+    gemm1 = _fit_pipeline(cfg.gemm1, cfg.block_m, budget, x_bytes, weight_bytes, gemm1=True)
+    gemm2 = _fit_pipeline(cfg.gemm2, cfg.block_m, budget, x_bytes, weight_bytes, gemm1=False)
     if gemm1 == cfg.gemm1 and gemm2 == cfg.gemm2:
         return cfg
     return replace(cfg, gemm1=gemm1, gemm2=gemm2)
+
+
+def _fit_pipeline(tiles: GemmTiles, block_m: int, budget: int, x_bytes: int, weight_bytes: int,
+                  gemm1: bool) -> GemmTiles:
+    """tiles with num_stages lowered to 2, then block_k halved down to 32, until
+    `gemm_shared_memory` is at most `budget` bytes."""
+    while gemm_shared_memory(tiles, block_m, x_bytes, weight_bytes, gemm1) > budget:
+        if tiles.num_stages > 2:
+            tiles = replace(tiles, num_stages=tiles.num_stages - 1)
+        elif tiles.block_k > 32:
+            tiles = replace(tiles, block_k=tiles.block_k // 2)
+        else:
+            break  # the smallest pipeline this rule makes; Triton reports what is left
+    return tiles
+
+
+@functools.lru_cache(maxsize=256)  # asked every forward of an untabled shape
+def few_tiles_within(few: ExpertsConfig, main: ExpertsConfig, element_bytes: int = 2) -> ExpertsConfig:
+    """Few-slot tiles `few` as compiled into the launches of `main` (a larger bucket's tiles), each
+    GEMM's pipeline cut (stages, then block_k, as `fit_shared_memory`) until its shared memory is
+    no more than main's own. A launch holds the buffers of both of its paths, so few-slot tiles
+    with the deeper pipeline set the whole launch's shared memory, and with it how many programs an
+    SM holds: H200 2026-12-01, the heuristic's 64-row GEMM2 (96 KB) went to 120 KB with the decode
+    tiles compiled in (256-wide K steps, 3 stages), one program an SM instead of two, and its full
+    batch 3-7% slower (bench/results/logs/heuristic_kernel_stats_64row_NVIDIA-H200_2026-12-01.txt).
+    `few_slots_config` applies it to shapes without a tuned table (tables keep the few-slot tiles
+    they were tuned with)."""
+    tiles = []
+    for name, gemm1 in (("gemm1", True), ("gemm2", False)):
+        budget = gemm_shared_memory(getattr(main, name), main.block_m, element_bytes, element_bytes, gemm1)
+        tiles.append(_fit_pipeline(getattr(few, name), few.block_m, budget, element_bytes, element_bytes,
+                                   gemm1))
+    if (tiles[0], tiles[1]) == (few.gemm1, few.gemm2):
+        return few
+    return replace(few, gemm1=tiles[0], gemm2=tiles[1])
 
 
 def _shared_memory_limit(device_index: int | None) -> int | None:

@@ -49,7 +49,14 @@ import triton.language as tl
 
 from safemoe._checks import Fp8Weights, NumValid
 from safemoe._triton import interpreter_enabled
-from safemoe.configs import ExpertsConfig, GemmTiles, batch_invariant_config, get_config
+from safemoe.configs import (
+    ExpertsConfig,
+    GemmTiles,
+    batch_invariant_config,
+    few_tiles_within,
+    get_config,
+    has_table,
+)
 from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into, quantize_tile_rows
 from safemoe.kernels.combine import combine_into
 from safemoe.kernels.dispatch import dispatch_into
@@ -1337,11 +1344,15 @@ def few_slots_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     """The tiles of the few-slot path for a batch of T tokens whose own config is `cfg`, or None
     when it is off: K > FEW_SLOTS, or `cfg.few` is False (a tuned per-bucket choice). A bucket
     that always takes it (T*K <= FEW_SLOTS) runs its own tiles; a larger one those of
-    `few_slots_bucket(K)` tokens."""
+    `few_slots_bucket(K)` tokens; for a shape without a tuned table, with pipelines no larger than
+    cfg's own (`few_tiles_within`: they are compiled into cfg's launches)."""
     def source() -> ExpertsConfig:
         return get_config(few_slots_bucket(top_k), num_experts, hidden, inter, top_k, dtype, device)
 
-    return few_tiles_from(num_tokens, top_k, cfg, source)
+    few = few_tiles_from(num_tokens, top_k, cfg, source)
+    if few is None or few is cfg or has_table(num_experts, hidden, inter, top_k, dtype, device):
+        return few
+    return few_tiles_within(few, cfg, dtype.itemsize)
 
 
 def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig,
