@@ -426,6 +426,7 @@ def _nearest_of_bucket(bucket: int, buckets: tuple[int, ...]) -> int | None:
     return chosen if octaves[chosen] <= 1 else None
 
 
+@functools.lru_cache(maxsize=256)  # asked every forward of a shape whose launches carry the few-slot path
 def has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
               device: torch.device, quant: str | None = None) -> bool:
     """Whether `device`'s table has tuned entries for this shape (False off CUDA)."""
