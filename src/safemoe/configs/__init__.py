@@ -304,15 +304,16 @@ def heuristic_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: 
     BLOCK_M as in `heuristic_config`: the smallest block above the expected rows (16, 32, 64),
     128 from 96 rows on. The H200 fp8 tables, tuned on every bucket from T = 8 to 8192 on
     Qwen3-30B-A3B and DeepSeek-V3 in both modes (2026-11-26 decode, 2026-12-01 the rest), agree at
-    every point: at 16 and 32 rows an expert the 32- and 64-row blocks beat the previous heuristic's
-    16- and 32-row ones by 19-39% (DeepSeek-V3 T = 512 / 1024, Qwen3 T = 512), and at 64 rows the
-    64-row blocks held (fp8 tiles are half the bytes, so a 64-row tile still streams its weights).
+    every point: at 16 and 32 rows an expert the 32- and 64-row blocks beat the previous
+    heuristic's 16- and 32-row tiles by 24-39% (DeepSeek-V3 T = 512 / 1024, Qwen3 T = 512, both
+    modes), and at 64 rows the 64-row blocks held (fp8 tiles are half the bytes, so a 64-row tile
+    still streams its weights).
     Decode and the 32-row blocks use the swapped product (`swap_ab`: the weights on wgmma's M side,
     native e4m3, where the plain 16-row product converts to f16), as the tables' decode entries
     do, with 128-wide K steps in block mode (one scale group a step) and 256-wide per tensor. Prefill
     (measured on an H200, 2026-11-26, scripts/debug/fp8_prefill.py, T = 8192, us per experts call,
     older tiles -> these: block Qwen3 1329 -> 1166, DeepSeek-V3 10483 -> 9359; per-tensor Qwen3
-    1139 -> 1056, DeepSeek-V3 8465 -> 7603; the 2026-12-01 tune kept them at T = 2048 to 8192):
+    1139 -> 1056, DeepSeek-V3 8465 -> 7603; the 2026-12-01 tune kept them wherever they run):
     128-row M-blocks, 128-wide K steps, 8 warps, TMA weights, GEMM1 128 columns (times gate and
     up; it spills ~10 registers on triton 3.6 and is still the fastest), GEMM2 256 (two halves,
     QUANT 4 of kernels/experts.py). PDL up to PDL_MAX_TOKENS, as the tables and `heuristic_config`.
