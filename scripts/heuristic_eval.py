@@ -3,7 +3,7 @@
 
     PYTHONPATH=src python3 scripts/heuristic_eval.py --out OUT_DIR [--shapes qwen3,olmoe,...]
         [--tokens 1,8,64,256,1024,4096] [--budget 420] [--rules tree,previous,...] [--padded]
-        [--kernel-stats] [--quant per_tensor|block]
+        [--kernel-stats] [--quant per_tensor|block] [--no-peer]
 
 Every model shape without a table entry (most of the MoE families `patch()` takes) runs the
 heuristic's tiles, so its distance from a tuned entry is what such a model loses. For each shape
@@ -17,8 +17,10 @@ best rule at the point. --padded also times the one-valid-row step of buckets up
 PDL_MAX_TOKENS; --kernel-stats records registers, spills and shared memory of the GEMM kernels
 each rule's timing loaded. --quant times fp8 weights of that mode instead, against the device
 table's fp8 entries, with FP8_RULES (`heuristic_fp8_config` as "tree"); the fp8 path has no
-few-slot tiles. Writes OUT_DIR/heuristic_eval[_fp8-<mode>]_<device>.json (every time) and .md (per
-regime: each rule's geometric-mean and worst ratio to the table, and to the best rule). A
+few-slot tiles. Torch grouped_mm (`safemoe.peers.grouped_mm_experts`) is timed on the same inputs
+at every bf16 point (--no-peer skips it). Writes OUT_DIR/heuristic_eval[_fp8-<mode>]_<device>.json
+(every time) and .md (per regime: each rule's geometric-mean and worst ratio to the table, to the
+best rule and to grouped_mm). A
 measurement script, not a test; `GPU_RUN_STAGES=heuristic bash scripts/gpu_run.sh OUT` runs it.
 """
 
@@ -252,7 +254,7 @@ def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
              log: Callable[[str], None], padded: bool = False,
-             kernel_stats: bool = False, quant: str | None = None) -> list[dict[str, Any]]:
+             kernel_stats: bool = False, quant: str | None = None, peer: bool = True) -> list[dict[str, Any]]:
     e, k, h, i = SHAPES[name]
     entries = load_device_configs(torch.cuda.get_device_name(device)).get(
         shape_key(e, h, i, k, torch.bfloat16, quant), {})
@@ -273,6 +275,11 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             if padded and few_slots_bucket(k) < t <= PDL_MAX_TOKENS:
                 row.setdefault("padded_us", {})["table"] = case.time(cfg, num_valid=1)
             row["configs"]["table"] = cfg.to_json()
+        if peer and quant is None:  # torch grouped_mm on the same inputs, timed the same way
+            try:
+                row["peer_us"] = {PEER: case.time_step(_grouped_mm_step(case))}
+            except Exception as exc:  # a torch without grouped_mm: said, the rules still timed
+                row.setdefault("errors", {})[PEER] = f"{type(exc).__name__}: {str(exc)[:160]}"
         timed: dict[tuple[ExpertsConfig, ExpertsConfig | None], str] = {}
         for label, rule in rules.items():
             cfg = rule(t, e, h, i, k)
@@ -303,6 +310,7 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
         log(f"{name} T={t} ({row['rows_per_expert']:.1f} rows/expert, block_m "
             f"{rules['tree'](t, e, h, i, k).block_m}): "
             + ", ".join(f"{lbl} {us:.1f}" for lbl, us in row["us"].items())
+            + "".join(f", {lbl} {us:.1f}" for lbl, us in row.get("peer_us", {}).items())
             + ("; one valid row: " + ", ".join(f"{lbl} {us:.1f}" for lbl, us in row["padded_us"].items())
                if "padded_us" in row else "")
             + ("; kernels (regs/spills/shared KB): " + ", ".join(
@@ -314,6 +322,30 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
     del w13, w2
     torch.cuda.empty_cache()
     return rows
+
+
+PEER = "torch grouped_mm"
+
+
+def _grouped_mm_step(case: Case) -> Callable[[int], object]:
+    """The experts call through torch grouped_mm (`safemoe.peers.grouped_mm_experts`, as the bench
+    suites time it) on case's input set j."""
+    from safemoe.peers import grouped_mm_experts
+
+    return lambda j: grouped_mm_experts(case.xs[j], case.w13, case.w2, case.weights[j], case.ids[j], "silu")
+
+
+def peer_summary(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """Per regime: geometric mean and worst of (rule or table) / torch grouped_mm, full batch."""
+    lines = [f"| regime | rule | vs {PEER}: geomean | worst | points |", "|---|---|---|---|---|"]
+    for regime in sorted({_regime(r) for r in rows if r.get("peer_us")}, key=lambda s: int(s.split()[-1])):
+        members = [r for r in rows if _regime(r) == regime and r.get("peer_us")]
+        for label in ["table", *labels]:
+            ratios = [r["us"][label] / r["peer_us"][PEER] for r in members if label in r["us"]]
+            if ratios:
+                mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+                lines.append(f"| {regime} | {label} | {mean:.3f} | {max(ratios):.3f} | {len(ratios)} |")
+    return lines
 
 
 def _gemm_kernels() -> dict[str, Any]:
@@ -402,6 +434,8 @@ def main() -> int:
                         help="also time the one-valid-row step of buckets up to PDL_MAX_TOKENS")
     parser.add_argument("--kernel-stats", action="store_true",
                         help="record registers, spills and shared memory of the GEMM kernels each rule loads")
+    parser.add_argument("--no-peer", action="store_true",
+                        help=f"do not time {PEER} (timed by default on bf16 runs; fp8 runs have no peer)")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds of timing before stopping")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     args = parser.parse_args()
@@ -440,7 +474,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for name in names:
         rows += evaluate(name, tokens, rules, device, deadline, log, args.padded, args.kernel_stats,
-                         args.quant)
+                         args.quant, peer=not args.no_peer)
         payload = {
             "device": device_name, "torch": torch.__version__, "quant": args.quant,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -448,6 +482,8 @@ def main() -> int:
         }
         stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     table = ["Full batch:", "", *summarise(rows, list(rules))]
+    if any(r.get("peer_us") for r in rows):
+        table += ["", f"Against {PEER} (same inputs, same timing):", "", *peer_summary(rows, list(rules))]
     if args.padded:
         table += ["", "One valid row (buckets up to PDL_MAX_TOKENS):", "",
                   *summarise(rows, list(rules), "padded_us")]

@@ -967,18 +967,17 @@ class Case:
         num_valid: int | None = None,
         few: ExpertsConfig | str | None = FROM_TABLE,
     ) -> float:
+        return self.time_step(self.step(cfg, stages, small, num_valid, few), est_us)
+
+    def time_step(self, step: Callable[[int], object], est_us: float | None = None) -> float:
+        """Median us of step(j) (j over the N_VARIANTS input sets) under CUDA-graph replay, with
+        the loop sizes `time` uses (a peer's call on this case's inputs, timed the same way)."""
         from safemoe.bench.harness import time_graph
 
         est = est_us or self.est_us
         calls = int(min(20, max(2, 20000 / est)))
         replays = int(min(20, max(3, 300000 / (est * calls))))
-        return time_graph(
-            self.step(cfg, stages, small, num_valid, few),
-            n_variants=N_VARIANTS,
-            calls_per_graph=calls,
-            replays=replays,
-            warmup=2,
-        )
+        return time_graph(step, n_variants=N_VARIANTS, calls_per_graph=calls, replays=replays, warmup=2)
 
 
 def estimate_us(name: str, num_tokens: int, weight_bytes: int = 2) -> float:

@@ -129,3 +129,22 @@ def test_select_rules_defaults_and_unknown_labels():
         evaluation.select_rules("no_swap", None)  # an fp8 rule without --quant
     with pytest.raises(SystemExit, match="wide_k"):
         evaluation.select_rules("wide_k", "block")
+
+
+def test_peer_summary_ratios_per_regime():
+    """Each rule's (and the table's) time over torch grouped_mm's at the same point, per regime;
+    points without a peer time (fp8 runs, a torch without grouped_mm) are left out."""
+    evaluation = _load()
+    peer = evaluation.PEER
+    def row(block_m: int, us: dict[str, float], peer_us: float | None) -> dict[str, object]:
+        return {"configs": {"tree": {"block_m": block_m}}, "us": us,
+                **({"peer_us": {peer: peer_us}} if peer_us else {})}
+
+    rows = [row(16, {"table": 10.0, "tree": 12.0}, 20.0), row(16, {"table": 20.0, "tree": 20.0}, 10.0),
+            row(128, {"tree": 5.0}, None)]
+    lines = evaluation.peer_summary(rows, ["tree"])
+    cells = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in lines[2:]}
+    assert set(cells) == {("block_m 16", "table"), ("block_m 16", "tree")}
+    tree = [c.strip() for c in cells[("block_m 16", "tree")].strip("|").split("|")]
+    assert math.isclose(float(tree[2]), math.sqrt(0.6 * 2.0), abs_tol=5e-4)
+    assert tree[3:] == ["2.000", "2"]
