@@ -476,8 +476,8 @@ SHARED_MEMORY_RESERVE = 4096
 def gemm_shared_memory(tiles: GemmTiles, block_m: int, x_bytes: int, weight_bytes: int, gemm1: bool) -> int:
     """An upper estimate of one GEMM launch's shared memory: num_stages buffers of its A tile
     [block_m, block_k] and its weight tile [block_k, block_n] (GEMM1: the gate and up tiles, 2 block_n
-    columns), A in `x_bytes` a element (1 with fp8 weights: the GEMMs read x and the intermediate
-    quantised)."""
+    columns), A's elements `x_bytes` each (1 with fp8 weights: the GEMMs read x and the
+    intermediate quantised)."""
     for name, value in (("block_m", block_m), ("x_bytes", x_bytes), ("weight_bytes", weight_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
