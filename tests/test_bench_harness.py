@@ -53,6 +53,21 @@ def test_floor_formulas():
     assert harness.sampled_distinct_experts(samples) == pytest.approx((3 + 1) / 2)
     with pytest.raises(ValueError, match="no routing sample"):
         harness.sampled_distinct_experts([])
+
+
+def test_sampled_computed_rows_pads_each_expert_to_its_blocks():
+    """Rows computed / rows routed with each expert's slots padded to whole M-blocks, averaged over
+    samples; ids outside [0, E) are not routed (dropped, as dispatch drops them)."""
+    # expert 0: 3 slots, expert 2: 5 slots; blocks of 4 -> 4 + 8 = 12 computed for 8 routed
+    first = torch.tensor([[0, 2], [0, 2], [0, 2], [2, 2], [-1, 7]])
+    second = torch.tensor([[1, 1], [1, 1]])  # 4 slots of expert 1: one whole block
+    assert harness.sampled_computed_rows([first], 4, 4) == pytest.approx(1.5)
+    assert harness.sampled_computed_rows([first, second], 4, 4) == pytest.approx((1.5 + 1.0) / 2)
+    assert harness.sampled_computed_rows([torch.full((2, 2), -1)], 4, 4) == 1.0  # nothing routed
+    with pytest.raises(ValueError, match="no routing sample"):
+        harness.sampled_computed_rows([], 4, 4)
+    with pytest.raises(ValueError, match="block_m"):
+        harness.sampled_computed_rows([first], 4, 0)
     at_4300 = harness.DeviceCeilings("x", 4300.0, 4300.0, 790.0, None)
     assert harness.moe_decode_floor_us(128, 8, 2048, 768, 1, at_4300) == pytest.approx(17.56, abs=0.01)
     flops = 2 * 16384 * 8 * 3 * 2048 * 768

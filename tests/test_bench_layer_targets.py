@@ -63,6 +63,19 @@ def test_a_prefill_ratio_below_its_own_floor_says_so():
     assert per_token_row(1024.0) == "2.000 us/token"
 
 
+def test_the_per_token_row_names_the_block_padding_of_both_points():
+    """With both points' computed rows recorded (the bench does on a GPU), the T = 2048 row says
+    what M-block padding alone makes of the ratio; the verdict itself is unchanged."""
+    rows = [BenchRow(layer.SUITE, "qwen3-30b-a3b", 8192, "clean", "safemoe-triton", 8192.0, 5000.0,
+                     extra={"bound": "flops", "computed_rows": 1.1237}),
+            BenchRow(layer.SUITE, "qwen3-30b-a3b", 2048, "clean", "safemoe-triton", 4096.0, 1000.0,
+                     extra={"bound": "flops", "computed_rows": 1.4609})]  # fmt: skip
+    (target,) = [t for t in layer.targets_table(rows) if t["T"] == "2048 vs 8192"]
+    assert target["met"] is False
+    assert target["measured"] == ("2.000 us/token (M-block padding: T = 2048 computes 1.46x its routed rows, "
+                                  "T = 8192 1.12x)")
+
+
 def test_missing_measurements_give_no_verdict(tmp_path):
     rows = [row("qwen3-30b-a3b", 1, None, 25.0), row("qwen3-30b-a3b", layer.PADDED_TOKENS, 40.0, 25.0,  # type: ignore[arg-type]
                                                      variant="padded-1")]  # fmt: skip

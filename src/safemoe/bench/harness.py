@@ -417,6 +417,25 @@ def sampled_distinct_experts(ids: list[torch.Tensor]) -> float:
     return sum(int(torch.unique(sample[sample >= 0]).numel()) for sample in ids) / len(ids)
 
 
+def sampled_computed_rows(ids: list[torch.Tensor], num_experts: int, block_m: int) -> float:
+    """Mean over routing samples ([T, K] ids each) of the rows the expert GEMMs compute, each
+    expert's slots padded up to a multiple of block_m (the dispatch layout), over the slots routed:
+    1.0 when every expert's rows fill whole blocks. The "% of peak" scale counts only the routed
+    rows, so this is what block padding adds to a prefill point's time."""
+    if not ids:
+        raise ValueError("sampled_computed_rows: ids holds no routing sample")
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m must be an int >= 1, got {block_m!r}")
+    factors = []
+    for sample in ids:
+        routed = sample[(sample >= 0) & (sample < num_experts)].to(torch.int64)
+        if routed.numel() == 0:
+            continue
+        counts = torch.bincount(routed, minlength=num_experts)
+        factors.append(float((((counts + block_m - 1) // block_m) * block_m).sum()) / routed.numel())
+    return sum(factors) / len(factors) if factors else 1.0
+
+
 def moe_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> float:
     """Expert GEMM FLOPs: T*K slots x (2*H*2I for GEMM1 + 2*I*H for GEMM2) = 2*T*K*3*H*I."""
     return 2.0 * num_tokens * top_k * 3 * hidden * inter

@@ -39,11 +39,13 @@ from safemoe.bench.harness import (
     moe_floor_us,
     plot_pct_of_floor,
     progress,
+    sampled_computed_rows,
     sampled_distinct_experts,
     time_auto,
     time_eager,
     write_targets,
 )
+from safemoe.configs import get_config
 from safemoe.peers import PeerUnavailable, grouped_mm_experts, hf_experts_loop, torch_route
 
 SUITE = "layer"
@@ -109,7 +111,8 @@ def _case_rows(
     ]
     # The read floor counts the experts these routings hit (issue 13's "% read"), not the uniform
     # expectation.
-    distinct = sampled_distinct_experts([safemoe.route(sample, top_k).ids for sample in logits])
+    routed = [safemoe.route(sample, top_k).ids for sample in logits]
+    distinct = sampled_distinct_experts(routed)
     floor, bound = moe_floor_us(num_experts, top_k, hidden, shape[3], num_tokens, ceilings, distinct=distinct)
     triton_missing = _triton_built()
 
@@ -145,6 +148,10 @@ def _case_rows(
     expected = reference(0) if num_tokens == CHECK_TOKENS else None
     rows = []
     extra: dict[str, Any] = {"bound": bound, "distinct_experts": distinct}
+    if device.type == "cuda":  # rows computed / routed with the M-block this bucket runs
+        block_m = get_config(num_tokens, num_experts, hidden, shape[3], top_k, torch.bfloat16, device).block_m
+        extra["block_m"] = block_m
+        extra["computed_rows"] = round(sampled_computed_rows(routed, num_experts, block_m), 4)
     if bound == "flops" and ceilings.bf16_tflops_sustained:
         # the same FLOPs at the matmul peak measured under the benchmark's own sustained load
         extra["sustained_floor_us"] = floor * ceilings.bf16_tflops / ceilings.bf16_tflops_sustained
@@ -295,6 +302,10 @@ def targets_table(rows: list[BenchRow]) -> list[dict[str, Any]]:
                 if mid.floor_us is not None and mid.floor_us / 2048 > per_big:
                     measured += (f" (T = 2048's own {mid.extra.get('bound', '')} floor: "
                                  f"{mid.floor_us / 2048:.3f} us/token, out of reach here)")
+                padding = (mid.extra.get("computed_rows"), r.extra.get("computed_rows"))
+                if padding[0] and padding[1]:  # what block padding alone makes of the ratio
+                    measured += (f" (M-block padding: T = 2048 computes {padding[0]:.2f}x its routed rows, "
+                                 f"T = {PREFILL_TOKENS} {padding[1]:.2f}x)")
                 add(f"prefill: T = 2048 no slower per token than T = {PREFILL_TOKENS}", case, "2048 vs 8192",
                     f"{per_big:.3f} us/token", measured, per_mid <= per_big)  # fmt: skip
     for (case, tokens, variant), r in sorted(ours.items()):
