@@ -254,7 +254,8 @@ def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
              log: Callable[[str], None], padded: bool = False,
-             kernel_stats: bool = False, quant: str | None = None, peer: bool = True) -> list[dict[str, Any]]:
+             kernel_stats: bool = False, quant: str | None = None, peer: bool = True,
+             table_fit_few: bool = False) -> list[dict[str, Any]]:
     e, k, h, i = SHAPES[name]
     entries = load_device_configs(torch.cuda.get_device_name(device)).get(
         shape_key(e, h, i, k, torch.bfloat16, quant), {})
@@ -275,6 +276,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             if padded and few_slots_bucket(k) < t <= PDL_MAX_TOKENS:
                 row.setdefault("padded_us", {})["table"] = case.time(cfg, num_valid=1)
             row["configs"]["table"] = cfg.to_json()
+            if table_fit_few and quant is None:
+                _time_table_fit_few(case, row, cfg, padded)
         if peer and quant is None:  # torch grouped_mm on the same inputs, timed the same way
             try:
                 row["peer_us"] = {PEER: case.time_step(_grouped_mm_step(case))}
@@ -325,6 +328,35 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
 
 
 PEER = "torch grouped_mm"
+TABLE_FIT_FEW = "table_fit_few"
+
+
+def fitted_table_few(raw: ExpertsConfig | None, cfg: ExpertsConfig) -> ExpertsConfig | None:
+    """The table entry's few-slot tiles fitted into cfg's launches (`few_tiles_within`, what
+    untabled shapes get since the twenty-second session), or None where fitting changes nothing
+    (no few-slot path, the bucket's own tiles, or tiles already within cfg's shared memory)."""
+    if raw is None or raw is cfg:
+        return None
+    fitted = few_tiles_within(raw, cfg)
+    return None if fitted == raw else fitted
+
+
+def _time_table_fit_few(case: Case, row: dict[str, Any], cfg: ExpertsConfig, padded: bool) -> None:
+    """Time the table's config with its few-slot tiles fitted (--table-fit-few) where that changes
+    them: whether tuned entries would gain from the fit too (H200 2026-12-01: DeepSeek-V3 and
+    gpt-oss T = 1024, Mixtral T = 128 carry few-slot tiles above their main tiles' shared memory)."""
+    from safemoe.kernels.experts import few_slots_config
+
+    e, k, h, i = SHAPES[case.name]
+    device = case.w13.device
+    # the table's own few-slot tiles (few_slots_config keeps them as they are for a tabled shape)
+    fitted = fitted_table_few(few_slots_config(case.num_tokens, e, h, i, k, torch.bfloat16, device, cfg), cfg)
+    if fitted is None:
+        return
+    row["configs"][TABLE_FIT_FEW] = {"few": fitted.to_json()}
+    row["us"][TABLE_FIT_FEW] = case.time(cfg, few=fitted)
+    if padded and few_slots_bucket(k) < case.num_tokens <= PDL_MAX_TOKENS:
+        row.setdefault("padded_us", {})[TABLE_FIT_FEW] = case.time(cfg, few=fitted, num_valid=1)
 
 
 def _grouped_mm_step(case: Case) -> Callable[[int], object]:
@@ -436,6 +468,9 @@ def main() -> int:
                         help="record registers, spills and shared memory of the GEMM kernels each rule loads")
     parser.add_argument("--no-peer", action="store_true",
                         help=f"do not time {PEER} (timed by default on bf16 runs; fp8 runs have no peer)")
+    parser.add_argument("--table-fit-few", action="store_true",
+                        help="also time each table entry with its few-slot tiles fitted into its launches "
+                        f"(label {TABLE_FIT_FEW}; bf16, where the fit changes them)")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds of timing before stopping")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     args = parser.parse_args()
@@ -474,19 +509,20 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for name in names:
         rows += evaluate(name, tokens, rules, device, deadline, log, args.padded, args.kernel_stats,
-                         args.quant, peer=not args.no_peer)
+                         args.quant, peer=not args.no_peer, table_fit_few=args.table_fit_few)
         payload = {
             "device": device_name, "torch": torch.__version__, "quant": args.quant,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "untabled": [n for n in names if n in UNTABLED], "rows": rows,
         }
         stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    table = ["Full batch:", "", *summarise(rows, list(rules))]
+    labels = list(rules) + ([TABLE_FIT_FEW] if any(TABLE_FIT_FEW in r["us"] for r in rows) else [])
+    table = ["Full batch:", "", *summarise(rows, labels)]
     if any(r.get("peer_us") for r in rows):
-        table += ["", f"Against {PEER} (same inputs, same timing):", "", *peer_summary(rows, list(rules))]
+        table += ["", f"Against {PEER} (same inputs, same timing):", "", *peer_summary(rows, labels)]
     if args.padded:
         table += ["", "One valid row (buckets up to PDL_MAX_TOKENS):", "",
-                  *summarise(rows, list(rules), "padded_us")]
+                  *summarise(rows, labels, "padded_us")]
     for line in table:
         log(line)
     title = "heuristic_eval.py" + ("" if args.quant is None else f" --quant {args.quant}")

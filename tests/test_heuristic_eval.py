@@ -148,3 +148,17 @@ def test_peer_summary_ratios_per_regime():
     tree = [c.strip() for c in cells[("block_m 16", "tree")].strip("|").split("|")]
     assert math.isclose(float(tree[2]), math.sqrt(0.6 * 2.0), abs_tol=5e-4)
     assert tree[3:] == ["2.000", "2"]
+
+
+def test_fitted_table_few_only_where_the_fit_changes_the_tiles():
+    """--table-fit-few times a table entry with its few-slot tiles fitted into its launches only
+    where that changes them: no few-slot path, the bucket's own tiles, or tiles already within the
+    entry's shared memory give None."""
+    evaluation = _load()
+    main = heuristic_config(256, 64, 2048, 1024, 8, torch.bfloat16)  # 64-row blocks (GEMM2: 96 KB)
+    decode = heuristic_config(2, 64, 2048, 1024, 8, torch.bfloat16)  # 256-wide K, 3 stages (120 KB)
+    fitted = evaluation.fitted_table_few(decode, main)
+    assert fitted is not None and fitted.gemm2.num_stages == 2 and fitted.gemm1 == decode.gemm1
+    assert evaluation.fitted_table_few(None, main) is None
+    assert evaluation.fitted_table_few(main, main) is None
+    assert evaluation.fitted_table_few(fitted, main) is None
