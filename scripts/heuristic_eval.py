@@ -202,27 +202,26 @@ def _fp8_previous(t: int, e: int, h: int, i: int, k: int, quant: str) -> Experts
     up to 96 (a block of the mean rows, not above it); decode tiles 32 / 64 columns, 128-wide K
     steps, 6 stages, no swapped product; PDL on every block under 128 rows whatever T."""
     rows = token_bucket(t) * k / e
-    if rows <= 16:
-        return ExpertsConfig(16, _gemm(32, 128, 4, 6, 1, tma=False), _gemm(64, 128, 4, 6, 1, tma=False),
-                             pdl=True)
-    if rows <= 96:
-        block_m = 32 if rows <= 48 else 64
-        gemm2 = _gemm(64 if block_m == 32 else 128, 128, 4, 4, 4, tma=False)
-        return ExpertsConfig(block_m, _gemm(64, 128, 4, 4, 4, tma=False), gemm2, pdl=True)
-    return ExpertsConfig(128, _gemm(128, 128, 8, 3, 8), _gemm(256, 128, 8, 3, 8), programs_per_sm=1)
+    block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64 if rows <= 96 else 128
+    if block_m == 128:
+        return ExpertsConfig(128, _gemm(128, 128, 8, 3, 8), _gemm(256, 128, 8, 3, 8), programs_per_sm=1)
+    return ExpertsConfig(block_m, *_fp8_previous_tiles(block_m), pdl=True)
+
+
+def _fp8_previous_tiles(block_m: int) -> tuple[GemmTiles, GemmTiles]:
+    """The previous fp8 heuristic's GEMM1 and GEMM2 tiles of a 16-, 32- or 64-row block."""
+    if block_m == 16:
+        return _gemm(32, 128, 4, 6, 1, tma=False), _gemm(64, 128, 4, 6, 1, tma=False)
+    return _gemm(64, 128, 4, 4, 4, tma=False), _gemm(64 if block_m == 32 else 128, 128, 4, 4, 4, tma=False)
 
 
 def _fp8_prev_tiles(t: int, e: int, h: int, i: int, k: int, quant: str) -> ExpertsConfig:
     """The tree's BLOCK_M and PDL with the previous heuristic's tiles of that BLOCK_M (what the
     M-block rule alone is worth)."""
     tree = _fp8_tree(t, e, h, i, k, quant)
-    if tree.block_m == 16:
-        gemm1, gemm2 = _gemm(32, 128, 4, 6, 1, tma=False), _gemm(64, 128, 4, 6, 1, tma=False)
-    elif tree.block_m in (32, 64):
-        gemm1 = _gemm(64, 128, 4, 4, 4, tma=False)
-        gemm2 = _gemm(64 if tree.block_m == 32 else 128, 128, 4, 4, 4, tma=False)
-    else:
+    if tree.block_m == 128:
         return tree
+    gemm1, gemm2 = _fp8_previous_tiles(tree.block_m)
     return replace(tree, gemm1=gemm1, gemm2=gemm2)
 
 
@@ -246,10 +245,7 @@ def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
     """The few-slot tiles an untabled shape would run beside cfg: the rule's own at
     few_slots_bucket(K), fitted to cfg's shared memory where they go into cfg's launches (as
     `few_slots_config` does; `fit` False: as they are)."""
-    few = few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k))
-    if few is None or few is cfg or not fit:
-        return few
-    return few_tiles_within(few, cfg)
+    return few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k), fit=fit)
 
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
@@ -375,8 +371,7 @@ def peer_summary(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
         for label in ["table", *labels]:
             ratios = [r["us"][label] / r["peer_us"][PEER] for r in members if label in r["us"]]
             if ratios:
-                mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-                lines.append(f"| {regime} | {label} | {mean:.3f} | {max(ratios):.3f} | {len(ratios)} |")
+                lines.append(f"| {regime} | {label} {_ratio_cells(ratios)}|")
     return lines
 
 
@@ -429,12 +424,15 @@ def summarise(rows: list[dict[str, Any]], labels: list[str], field: str = "us") 
                         if label in r["us"] and "table" in r["us"]]
             to_best = [r["us"][label] / min(r["us"][x] for x in labels if x in r["us"])
                        for r in members if label in r["us"]]
-            def stats(v: list[float]) -> str:
-                if not v:
-                    return "| - | - | 0 "
-                return f"| {math.exp(sum(map(math.log, v)) / len(v)):.3f} | {max(v):.3f} | {len(v)} "
-            lines.append(f"| {regime} | {label} {stats(to_table)}{stats(to_best)}|")
+            lines.append(f"| {regime} | {label} {_ratio_cells(to_table)}{_ratio_cells(to_best)}|")
     return lines
+
+
+def _ratio_cells(ratios: list[float]) -> str:
+    """'| geometric mean | worst | count ' of ratios (dashes when there are none)."""
+    if not ratios:
+        return "| - | - | 0 "
+    return f"| {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} | {max(ratios):.3f} | {len(ratios)} "
 
 
 def select_rules(labels: str | None, quant: str | None) -> dict[str, Rule]:

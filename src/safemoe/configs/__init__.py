@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from safemoe.fp8 import QUANT_MODES
+
 CONFIG_DIR = Path(__file__).parent
 
 # The workspace is sized for this BLOCK_M, so any configuration may use any BLOCK_M up to it.
@@ -318,6 +320,8 @@ def heuristic_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: 
     up; it spills ~10 registers on triton 3.6 and is still the fastest), GEMM2 256 (two halves,
     QUANT 4 of kernels/experts.py). PDL up to PDL_MAX_TOKENS, as the tables and `heuristic_config`.
     """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     rows_per_expert = token_bucket(num_tokens) * top_k / num_experts
     pdl = num_tokens <= PDL_MAX_TOKENS
     wide_k = 256 if quant == "per_tensor" else 128  # block mode: one K step inside one scale group
@@ -427,24 +431,43 @@ def _nearest_of_bucket(bucket: int, buckets: tuple[int, ...]) -> int | None:
     return chosen if octaves[chosen] <= 1 else None
 
 
-@functools.lru_cache(maxsize=256)  # asked every forward of a shape whose launches carry the few-slot path
+def _table_entries(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                   device: torch.device, quant: str | None) -> dict[int, ExpertsConfig]:
+    """{token bucket: config} of this shape in `device`'s table ({} off CUDA or without entries)."""
+    if device.type != "cuda":
+        return {}
+    table = load_device_configs(torch.cuda.get_device_name(device))
+    return table.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant), {})
+
+
 def has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
               device: torch.device, quant: str | None = None) -> bool:
     """Whether `device`'s table has tuned entries for this shape (False off CUDA)."""
-    if device.type != "cuda":
-        return False
-    table = load_device_configs(torch.cuda.get_device_name(device))
-    return bool(table.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant)))
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    for name, value in (("num_experts", num_experts), ("hidden", hidden), ("inter", inter), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if quant not in (None, *QUANT_MODES):
+        raise ValueError(f"quant must be None or one of {QUANT_MODES}, got {quant!r}")
+    return _has_table(num_experts, hidden, inter, top_k, dtype, device, quant)
+
+
+@functools.lru_cache(maxsize=256)  # asked every forward of a shape whose launches carry the few-slot path
+def _has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+               device: torch.device, quant: str | None) -> bool:
+    return bool(_table_entries(num_experts, hidden, inter, top_k, dtype, device, quant))
 
 
 def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
                    dtype: torch.dtype, device: torch.device, quant: str | None) -> ExpertsConfig:
     if device.type != "cuda":
         return interpreter_config(num_tokens, num_experts, top_k)
-    table = load_device_configs(torch.cuda.get_device_name(device))
-    buckets = table.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant))
-    chosen = nearest_bucket(num_tokens, buckets or {})
-    if buckets and chosen is not None:
+    buckets = _table_entries(num_experts, hidden, inter, top_k, dtype, device, quant)
+    chosen = nearest_bucket(num_tokens, buckets)
+    if chosen is not None:
         return buckets[chosen]
     # the heuristic depends on T through its bucket only (PDL_MAX_TOKENS is a bucket)
     return _fitted_heuristic(token_bucket(num_tokens), num_experts, hidden, inter, top_k, dtype, quant,
@@ -516,7 +539,6 @@ def _fit_pipeline(tiles: GemmTiles, block_m: int, budget: int, x_bytes: int, wei
     return tiles
 
 
-@functools.lru_cache(maxsize=256)  # asked every forward of an untabled shape
 def few_tiles_within(few: ExpertsConfig, main: ExpertsConfig, element_bytes: int = 2) -> ExpertsConfig:
     """Few-slot tiles `few` as compiled into the launches of `main` (a larger bucket's tiles), each
     GEMM's pipeline cut (stages, then block_k, as `fit_shared_memory`) until its shared memory is
@@ -527,6 +549,16 @@ def few_tiles_within(few: ExpertsConfig, main: ExpertsConfig, element_bytes: int
     batch 3-7% slower (bench/results/logs/heuristic_kernel_stats_64row_NVIDIA-H200_2026-12-01.txt).
     `few_slots_config` applies it to shapes without a tuned table (tables keep the few-slot tiles
     they were tuned with)."""
+    for name, value in (("few", few), ("main", main)):
+        if not isinstance(value, ExpertsConfig):
+            raise TypeError(f"{name} must be a safemoe ExpertsConfig, got {type(value).__name__}")
+    if isinstance(element_bytes, bool) or not isinstance(element_bytes, int) or element_bytes < 1:
+        raise ValueError(f"element_bytes must be an int >= 1, got {element_bytes!r}")
+    return _few_tiles_within(few, main, element_bytes)
+
+
+@functools.lru_cache(maxsize=256)  # asked every forward of an untabled shape
+def _few_tiles_within(few: ExpertsConfig, main: ExpertsConfig, element_bytes: int) -> ExpertsConfig:
     tiles = []
     for name, gemm1 in (("gemm1", True), ("gemm2", False)):
         budget = gemm_shared_memory(getattr(main, name), main.block_m, element_bytes, element_bytes, gemm1)

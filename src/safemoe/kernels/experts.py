@@ -1349,22 +1349,24 @@ def few_slots_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     def source() -> ExpertsConfig:
         return get_config(few_slots_bucket(top_k), num_experts, hidden, inter, top_k, dtype, device)
 
-    few = few_tiles_from(num_tokens, top_k, cfg, source)
-    if few is None or few is cfg or has_table(num_experts, hidden, inter, top_k, dtype, device):
-        return few
-    return few_tiles_within(few, cfg, dtype.itemsize)
+    fit = not has_table(num_experts, hidden, inter, top_k, dtype, device)
+    return few_tiles_from(num_tokens, top_k, cfg, source, fit=fit, element_bytes=dtype.itemsize)
 
 
-def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig,
-                   source: Callable[[], ExpertsConfig]) -> ExpertsConfig | None:
+def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Callable[[], ExpertsConfig],
+                   fit: bool = False, element_bytes: int = 2) -> ExpertsConfig | None:
     """`few_slots_config`'s rule with the config serving `few_slots_bucket(K)` tokens from
-    `source()` (called only when needed). scripts/tune_experts.py applies it to a table it edits."""
+    `source()` (called only when needed); `fit`: a larger bucket's few-slot tiles cut to cfg's
+    shared memory (`few_tiles_within`, elements of `element_bytes`). scripts/tune_experts.py
+    applies it to a table it edits, scripts/heuristic_eval.py to the rules it times."""
     if top_k > FEW_SLOTS or not cfg.few:
         return None
     if num_tokens * top_k <= FEW_SLOTS:
         return cfg
     few = source()
-    return few if few.few else None
+    if not few.few:
+        return None
+    return few_tiles_within(few, cfg, element_bytes) if fit else few
 
 
 def _check_fp8_config(cfg: ExpertsConfig | None, weights: Fp8Weights | None) -> None:
