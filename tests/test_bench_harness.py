@@ -68,6 +68,8 @@ def test_sampled_computed_rows_pads_each_expert_to_its_blocks():
         harness.sampled_computed_rows([], 4, 4)
     with pytest.raises(ValueError, match="block_m"):
         harness.sampled_computed_rows([first], 4, 0)
+    with pytest.raises(ValueError, match="num_experts"):
+        harness.sampled_computed_rows([first], 0, 4)
     at_4300 = harness.DeviceCeilings("x", 4300.0, 4300.0, 790.0, None)
     assert harness.moe_decode_floor_us(128, 8, 2048, 768, 1, at_4300) == pytest.approx(17.56, abs=0.01)
     flops = 2 * 16384 * 8 * 3 * 2048 * 768

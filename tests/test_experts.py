@@ -644,6 +644,32 @@ def test_few_slot_tiles_fit_inside_an_untabled_launch(monkeypatch: pytest.Monkey
         assert ex.few_slots_config(2, *shape[:3], shape[3], torch.bfloat16, cpu, decode) is decode
 
 
+def test_fp8_heuristic_has_table_and_few_fit_reject_bad_arguments() -> None:
+    """The configs helpers this change added name the bad argument before any lookup: an unknown
+    fp8 mode, a non-device, a non-dtype, a size below 1, a non-config, an element size below 1."""
+    from safemoe.configs import few_tiles_within, has_table, heuristic_config, heuristic_fp8_config
+
+    with pytest.raises(ValueError, match="quant"):
+        heuristic_fp8_config(64, 128, 2048, 768, 8, "int8")
+    cpu = torch.device("cpu")
+    assert has_table(128, 2048, 768, 8, torch.bfloat16, cpu) is False  # no table off CUDA
+    with pytest.raises(TypeError, match="device"):
+        has_table(128, 2048, 768, 8, torch.bfloat16, "cuda")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dtype"):
+        has_table(128, 2048, 768, 8, "bfloat16", cpu)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="top_k"):
+        has_table(128, 2048, 768, 0, torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="quant"):
+        has_table(128, 2048, 768, 8, torch.bfloat16, cpu, "int8")
+    cfg = heuristic_config(256, 64, 2048, 1024, 8, torch.bfloat16)
+    with pytest.raises(TypeError, match="few"):
+        few_tiles_within({"block_m": 16}, cfg)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="main"):
+        few_tiles_within(cfg, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="element_bytes"):
+        few_tiles_within(cfg, cfg, 0)
+
+
 HOPPER_SHARED = 232448  # opt-in shared memory a block: H100 / H200
 A100_SHARED = 166912
 ADA_SHARED = 101376  # L40S, RTX 4090

@@ -424,8 +424,9 @@ def sampled_computed_rows(ids: list[torch.Tensor], num_experts: int, block_m: in
     rows, so this is what block padding adds to a prefill point's time."""
     if not ids:
         raise ValueError("sampled_computed_rows: ids holds no routing sample")
-    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
-        raise ValueError(f"block_m must be an int >= 1, got {block_m!r}")
+    for name, value in (("num_experts", num_experts), ("block_m", block_m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     factors = []
     for sample in ids:
         routed = sample[(sample >= 0) & (sample < num_experts)].to(torch.int64)
