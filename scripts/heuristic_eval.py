@@ -69,7 +69,12 @@ from safemoe.configs import (  # noqa: E402
     shape_key,
     token_bucket,
 )
-from safemoe.kernels.experts import FEW_SLOTS, few_slots_bucket, few_tiles_from  # noqa: E402
+from safemoe.kernels.experts import (  # noqa: E402
+    FEW_SLOTS,
+    FUSED_FEW_BLOCK_M,
+    few_slots_bucket,
+    few_tiles_from,
+)
 
 DEFAULT_SHAPES = "qwen3,olmoe,mixtral,phimoe,deepseek,glm45air,gptoss,qwen2moe,qwen3next"
 DEFAULT_TOKENS = (1, 8, 64, 256, 1024, 4096)
@@ -130,6 +135,13 @@ def _tree_raw_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
     return _tree(t, e, h, i, k)
 
 
+def _tree_inner_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tree with the few-slot path of its 64-row buckets inside their GEMM launches, fitted to
+    their shared memory (the twenty-second session's behaviour, before FUSED_FEW_BLOCK_M): see
+    INNER_FEW."""
+    return _tree(t, e, h, i, k)
+
+
 def _gemm(n: int, k: int, warps: int, stages: int, group_m: int, tma: bool = True,
           interleave: bool = False) -> GemmTiles:
     return GemmTiles(block_n=n, block_k=k, group_m=group_m, num_warps=warps, num_stages=stages, tma=tma,
@@ -180,7 +192,7 @@ def _by_tiles(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
 # previous heuristic and the few-slot variant.
 RULES: dict[str, Rule] = {
     "tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "tree_raw_few": _tree_raw_few,
-    "prev64": _prev64,
+    "tree_inner_few": _tree_inner_few, "prev64": _prev64,
     "light_few": _light_few, "flags": _flags, "modes": _modes, "wide_k": _wide_k, "by_tiles": _by_tiles,
 }
 DEFAULT_RULES = "tree,previous,tree_no_few"
@@ -238,14 +250,19 @@ DEFAULT_FP8_RULES = "tree,previous,prev_tiles"
 
 
 RAW_FEW = {"tree_raw_few", "light_few"}  # rules whose few-slot tiles are not fitted to the main tiles'
+# Rules whose few-slot tiles stay inside the 64-row launches (fitted) instead of running as the fused
+# launch ahead of them (`few_slots_config` for an untabled shape, FUSED_FEW_BLOCK_M)
+INNER_FEW = {"tree_inner_few"}
 
 
 def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
-         fit: bool = True) -> ExpertsConfig | None:
-    """The few-slot tiles an untabled shape would run beside cfg: the rule's own at
-    few_slots_bucket(K), fitted to cfg's shared memory where they go into cfg's launches (as
-    `few_slots_config` does; `fit` False: as they are)."""
-    return few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k), fit=fit)
+         fit: bool = True, fuse: bool = True) -> ExpertsConfig | None:
+    """The few-slot tiles an untabled shape would run beside cfg, as `few_slots_config` has them:
+    the rule's own at few_slots_bucket(K), as the fused launch ahead of cfg's GEMMs in a 64-row
+    bucket, else fitted to cfg's shared memory where they go into cfg's launches (`fuse` False:
+    never fused; `fit` False: neither fused nor fitted, as they are)."""
+    return few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k), fit=fit,
+                          fuse=fit and fuse and cfg.block_m == FUSED_FEW_BLOCK_M)
 
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
@@ -284,7 +301,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             cfg = rule(t, e, h, i, k)
             row["configs"][label] = cfg.to_json()
             # fp8: no few-slot path
-            few = None if quant is not None else _few(rule, t, e, h, i, k, cfg, fit=label not in RAW_FEW)
+            few = None if quant is not None else _few(rule, t, e, h, i, k, cfg, fit=label not in RAW_FEW,
+                                                        fuse=label not in INNER_FEW)
             if (cfg, few) in timed:  # the same launches as another rule here: its times
                 twin = timed[(cfg, few)]
                 for field in ("us", "padded_us"):

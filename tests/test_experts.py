@@ -614,12 +614,15 @@ def test_fp8_heuristic_follows_the_fp8_tables() -> None:
     assert all(max(t, h) == 2 * min(t, h) for *_, t, h in off), off
 
 
-def test_few_slot_tiles_fit_inside_an_untabled_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Few-slot tiles compiled into a larger bucket's launch never raise its shared memory for a
-    shape without a table (a launch holds both paths' buffers): the heuristic's 64-row GEMM2 (96 KB)
-    keeps the decode tiles' 256-wide K steps at 2 stages instead of 3 (120 KB, one program an SM
-    instead of two on an H200). A tabled shape keeps the few-slot tiles it was tuned with; a bucket
-    whose every batch takes the path runs its own tiles."""
+def test_few_slot_tiles_of_an_untabled_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a shape without a table, few-slot tiles compiled into a larger bucket's launch never
+    raise its shared memory (a launch holds both paths' buffers: the heuristic's 64-row GEMM2,
+    96 KB, would keep the decode tiles' 256-wide K steps at 2 stages instead of 3), and a 64-row
+    bucket runs them as the fused launch ahead of its GEMMs instead (FUSED_FEW_BLOCK_M), unfitted.
+    A tabled shape keeps the few-slot tiles it was tuned with; a bucket whose every batch takes the
+    path runs its own tiles."""
+    import dataclasses
+
     from safemoe.configs import few_tiles_within, gemm_shared_memory, heuristic_config
     from safemoe.kernels import experts as ex
 
@@ -638,9 +641,13 @@ def test_few_slot_tiles_fit_inside_an_untabled_launch(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(ex, "get_config", lambda *args, **kwargs: decode)
     cpu = torch.device("cpu")
-    for tabled, expected in ((False, fitted), (True, decode)):
+    assert ex.FUSED_FEW_BLOCK_M == 64 and not decode.fused
+    narrow = dataclasses.replace(main, block_m=32)  # a 32-row bucket with the 64-row bucket's pipelines
+    for tabled, in_64_rows, in_32_rows in ((False, dataclasses.replace(decode, fused=True), fitted),
+                                           (True, decode, decode)):
         monkeypatch.setattr(ex, "has_table", lambda *args, tabled=tabled, **kwargs: tabled)
-        assert ex.few_slots_config(256, *shape[:3], shape[3], torch.bfloat16, cpu, main) == expected
+        assert ex.few_slots_config(256, *shape[:3], shape[3], torch.bfloat16, cpu, main) == in_64_rows
+        assert ex.few_slots_config(128, *shape[:3], shape[3], torch.bfloat16, cpu, narrow) == in_32_rows
         assert ex.few_slots_config(2, *shape[:3], shape[3], torch.bfloat16, cpu, decode) is decode
 
 
@@ -1113,6 +1120,35 @@ def test_fused_few_tiles_in_a_larger_bucket(device: str, num_tokens: int, top_k:
     expected = experts_reference(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids,
                                  num_valid=NumValid(1, None))
     _assert_matches(device, out, expected, what="one row, same tiles")
+
+
+@pytest.mark.parametrize("block_m,fused", [(64, True), (32, False)])
+def test_untabled_64_row_bucket_takes_the_fused_few_slot_launch(device: str, block_m: int, fused: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the configs chosen by experts_triton itself (config None), a shape without a table
+    runs a 64-row bucket's padded steps as the fused few-slot launch ahead of its GEMMs
+    (FUSED_FEW_BLOCK_M), a tabled one inside them: the same bits, dropped counts and exact-zero
+    padding for every num_valid; a 32-row bucket keeps the path inside its launches either way."""
+    from safemoe.kernels import experts as ex
+
+    num_tokens, top_k = 24, 2
+    inputs = _few_slot_inputs(device, num_tokens, top_k, seed=block_m)
+    tiles = GemmTiles(block_n=32, block_k=32, group_m=2, num_stages=1)
+    few = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1), tiles)
+    big = ExpertsConfig(block_m, tiles, tiles)
+    bucket = ex.few_slots_bucket(top_k)
+    monkeypatch.setattr(ex, "get_config", lambda t, *args, **kwargs: few if t <= bucket else big)
+    calls = _spy_fused_launches(monkeypatch)
+    ws = Workspace(num_tokens, FEW_CASE[0], top_k, FEW_CASE[1], FEW_CASE[2], torch.float32, device)
+
+    def run(untabled: bool, x: torch.Tensor, nv: NumValid, health: torch.Tensor) -> torch.Tensor:
+        monkeypatch.setattr(ex, "has_table", lambda *args, **kwargs: not untabled)
+        return experts_triton(x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
+                              num_valid=nv, health=health, workspace=ws,
+                              out=poisoned(x.shape, torch.float32, device))
+
+    _same_bits_every_num_valid(device, inputs, run, f"untabled vs tabled, {block_m}-row bucket")
+    assert len(calls) == (num_tokens + 1 if fused else 0), "fused launches: one per untabled call"
 
 
 def test_few_config_errors() -> None:

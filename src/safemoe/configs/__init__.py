@@ -543,12 +543,14 @@ def few_tiles_within(few: ExpertsConfig, main: ExpertsConfig, element_bytes: int
     """Few-slot tiles `few` as compiled into the launches of `main` (a larger bucket's tiles), each
     GEMM's pipeline cut (stages, then block_k, as `fit_shared_memory`) until its shared memory is
     no more than main's own. A launch holds the buffers of both of its paths, so few-slot tiles
-    with the deeper pipeline set the whole launch's shared memory, and with it how many programs an
-    SM holds: H200 2026-12-01, the heuristic's 64-row GEMM2 (96 KB) went to 120 KB with the decode
-    tiles compiled in (256-wide K steps, 3 stages), one program an SM instead of two, and its full
-    batch 3-7% slower (bench/results/logs/heuristic_kernel_stats_64row_NVIDIA-H200_2026-12-01.txt).
-    `few_slots_config` applies it to shapes without a tuned table (tables keep the few-slot tiles
-    they were tuned with)."""
+    with the deeper pipeline would set the whole launch's shared memory: the heuristic's 64-row
+    GEMM2 (96 KB) went to 120 KB with the decode tiles compiled in (H200 2026-12-01,
+    bench/results/logs/heuristic_kernel_stats_64row_NVIDIA-H200_2026-12-01.txt). Fitting them
+    did not move the time (H200 2026-12-02: OLMoE T = 256 238.8 / 238.5 us, DeepSeek-V3 T = 1024
+    5819 / 5822), so it is a bound, not a speed-up; those buckets now run the path as its own
+    fused launch (kernels/experts.py FUSED_FEW_BLOCK_M). `few_slots_config` applies it to the
+    other buckets of shapes without a tuned table (tables keep the few-slot tiles they were tuned
+    with)."""
     for name, value in (("few", few), ("main", main)):
         if not isinstance(value, ExpertsConfig):
             raise TypeError(f"{name} must be a safemoe ExpertsConfig, got {type(value).__name__}")

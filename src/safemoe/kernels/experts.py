@@ -81,6 +81,14 @@ SMALL_BATCH_TOKENS = 8
 # builds the layout in its registers from the ids (no dispatch kernel), one FEW_SLOTS-row tile per
 # expert routed to. It is the M of the smallest tensor-core tile, so a tile holds every slot.
 FEW_SLOTS = 16
+# A shape without a tuned table runs the few-slot path of its 64-row buckets as the fused launch
+# ahead of their GEMMs (`ExpertsConfig.fused` on the few-slot tiles), which are then compiled
+# without the path: compiled in, it cost their full batches 2-7% (H200 2026-12-02, heuristic_eval
+# tree -> tree with the fused launch: OLMoE T = 256 238.8 -> 225.3 us, Qwen3 T = 512 363.1 ->
+# 338.2, DeepSeek-V3 T = 1024 5811 -> 5597, Mixtral T = 128 709.4 -> 692.7), for 2-10 us more
+# on a one-valid-row step (DeepSeek-V3 T = 1024: 5 us less). 32- and 128-row buckets lost or
+# stayed level either way, so they keep the path inside their launches.
+FUSED_FEW_BLOCK_M = 64
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 # fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
@@ -1344,21 +1352,26 @@ def few_slots_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     """The tiles of the few-slot path for a batch of T tokens whose own config is `cfg`, or None
     when it is off: K > FEW_SLOTS, or `cfg.few` is False (a tuned per-bucket choice). A bucket
     that always takes it (T*K <= FEW_SLOTS) runs its own tiles; a larger one those of
-    `few_slots_bucket(K)` tokens; for a shape without a tuned table, with pipelines no larger than
-    cfg's own (`few_tiles_within`: they are compiled into cfg's launches)."""
+    `few_slots_bucket(K)` tokens. For a shape without a tuned table: in a bucket of
+    FUSED_FEW_BLOCK_M-row tiles, as the fused launch ahead of the GEMMs; in any other, with
+    pipelines no larger than cfg's own (`few_tiles_within`: they are compiled into cfg's
+    launches)."""
     def source() -> ExpertsConfig:
         return get_config(few_slots_bucket(top_k), num_experts, hidden, inter, top_k, dtype, device)
 
-    fit = not has_table(num_experts, hidden, inter, top_k, dtype, device)
-    return few_tiles_from(num_tokens, top_k, cfg, source, fit=fit, element_bytes=dtype.itemsize)
+    untabled = not has_table(num_experts, hidden, inter, top_k, dtype, device)
+    return few_tiles_from(num_tokens, top_k, cfg, source, fit=untabled, element_bytes=dtype.itemsize,
+                          fuse=untabled and cfg.block_m == FUSED_FEW_BLOCK_M)
 
 
 def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Callable[[], ExpertsConfig],
-                   fit: bool = False, element_bytes: int = 2) -> ExpertsConfig | None:
+                   fit: bool = False, element_bytes: int = 2, fuse: bool = False) -> ExpertsConfig | None:
     """`few_slots_config`'s rule with the config serving `few_slots_bucket(K)` tokens from
-    `source()` (called only when needed); `fit`: a larger bucket's few-slot tiles cut to cfg's
-    shared memory (`few_tiles_within`, elements of `element_bytes`). scripts/tune_experts.py
-    applies it to a table it edits, scripts/heuristic_eval.py to the rules it times."""
+    `source()` (called only when needed); `fuse`: in a larger bucket of tiles above 16 rows, those
+    tiles marked `fused` (their own launch ahead of cfg's GEMMs, which are compiled without the
+    path); else `fit`: a larger bucket's few-slot tiles cut to cfg's shared memory
+    (`few_tiles_within`, elements of `element_bytes`). scripts/tune_experts.py applies it to a
+    table it edits, scripts/heuristic_eval.py to the rules it times."""
     if top_k > FEW_SLOTS or not cfg.few:
         return None
     if num_tokens * top_k <= FEW_SLOTS:
@@ -1366,6 +1379,8 @@ def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Call
     few = source()
     if not few.few:
         return None
+    if fuse and cfg.block_m > FEW_SLOTS:
+        return few if few.fused else replace(few, fused=True)
     return few_tiles_within(few, cfg, element_bytes) if fit else few
 
 
