@@ -268,7 +268,7 @@ def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
              log: Callable[[str], None], padded: bool = False,
              kernel_stats: bool = False, quant: str | None = None, peer: bool = True,
-             table_fit_few: bool = False) -> list[dict[str, Any]]:
+             table_few: list[str] | None = None) -> list[dict[str, Any]]:
     e, k, h, i = SHAPES[name]
     entries = load_device_configs(torch.cuda.get_device_name(device)).get(
         shape_key(e, h, i, k, torch.bfloat16, quant), {})
@@ -289,8 +289,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             if padded and few_slots_bucket(k) < t <= PDL_MAX_TOKENS:
                 row.setdefault("padded_us", {})["table"] = case.time(cfg, num_valid=1)
             row["configs"]["table"] = cfg.to_json()
-            if table_fit_few and quant is None:
-                _time_table_fit_few(case, row, cfg, padded)
+            if table_few and quant is None:
+                _time_table_few(case, row, cfg, padded, table_few)
         if peer and quant is None:  # torch grouped_mm on the same inputs, timed the same way
             try:
                 row["peer_us"] = {PEER: case.time_step(_grouped_mm_step(case))}
@@ -342,7 +342,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
 
 
 PEER = "torch grouped_mm"
-TABLE_FIT_FEW = "table_fit_few"
+# --table-few: a table entry timed with its few-slot path changed, one label per way
+TABLE_FEW = {"fit": "table_fit_few", "fused": "table_fused_few", "none": "table_no_few"}
 
 
 def fitted_table_few(raw: ExpertsConfig | None, cfg: ExpertsConfig) -> ExpertsConfig | None:
@@ -355,22 +356,48 @@ def fitted_table_few(raw: ExpertsConfig | None, cfg: ExpertsConfig) -> ExpertsCo
     return None if fitted == raw else fitted
 
 
-def _time_table_fit_few(case: Case, row: dict[str, Any], cfg: ExpertsConfig, padded: bool) -> None:
-    """Time the table's config with its few-slot tiles fitted (--table-fit-few) where that changes
-    them: whether tuned entries would gain from the fit too (H200 2026-12-01: DeepSeek-V3 and
-    gpt-oss T = 1024, Mixtral T = 128 carry few-slot tiles above their main tiles' shared memory)."""
+def table_few_variants(raw: ExpertsConfig | None, cfg: ExpertsConfig,
+                       ways: list[str]) -> dict[str, tuple[ExpertsConfig, ExpertsConfig | None]]:
+    """{label: (config, few-slot tiles)} of a table entry `cfg` whose few-slot tiles are `raw`
+    (few_slots_config's), one per way that changes its launches: fit (the tiles fitted into cfg's
+    launches), fused (the tiles as the fused launch ahead of cfg's GEMMs, what untabled 64-row
+    buckets run since the twenty-third session; buckets above 16 rows whose tiles are not fused
+    yet), none (the path left out)."""
+    variants: dict[str, tuple[ExpertsConfig, ExpertsConfig | None]] = {}
+    larger = raw is not None and raw is not cfg
+    for way in ways:
+        if way == "fit":
+            fitted = fitted_table_few(raw, cfg)
+            if fitted is not None:
+                variants[TABLE_FEW[way]] = (cfg, fitted)
+        elif way == "fused":
+            if raw is not None and larger and cfg.block_m > FEW_SLOTS and not raw.fused:
+                variants[TABLE_FEW[way]] = (cfg, replace(raw, fused=True))
+        elif way == "none":
+            if raw is not None and larger:
+                variants[TABLE_FEW[way]] = (replace(cfg, few=False), None)
+        else:
+            raise ValueError(f"--table-few takes ways of {sorted(TABLE_FEW)}, got {way!r}")
+    return variants
+
+
+def _time_table_few(case: Case, row: dict[str, Any], cfg: ExpertsConfig, padded: bool,
+                    ways: list[str]) -> None:
+    """Time the table's config with its few-slot path changed (--table-few) where that changes its
+    launches: whether tuned entries gain from what untabled shapes run (H200 2026-12-02: fitting
+    did not, full batch level and one-row steps up to 6% slower)."""
     from safemoe.kernels.experts import few_slots_config
 
     e, k, h, i = SHAPES[case.name]
     device = case.w13.device
     # the table's own few-slot tiles (few_slots_config keeps them as they are for a tabled shape)
-    fitted = fitted_table_few(few_slots_config(case.num_tokens, e, h, i, k, torch.bfloat16, device, cfg), cfg)
-    if fitted is None:
-        return
-    row["configs"][TABLE_FIT_FEW] = {"few": fitted.to_json()}
-    row["us"][TABLE_FIT_FEW] = case.time(cfg, few=fitted)
-    if padded and few_slots_bucket(k) < case.num_tokens <= PDL_MAX_TOKENS:
-        row.setdefault("padded_us", {})[TABLE_FIT_FEW] = case.time(cfg, few=fitted, num_valid=1)
+    raw = few_slots_config(case.num_tokens, e, h, i, k, torch.bfloat16, device, cfg)
+    for label, (config, few) in table_few_variants(raw, cfg, ways).items():
+        row["configs"][label] = {"config": config.to_json(),
+                                 "few": few.to_json() if few is not None else None}
+        row["us"][label] = case.time(config, few=few)
+        if padded and few_slots_bucket(k) < case.num_tokens <= PDL_MAX_TOKENS:
+            row.setdefault("padded_us", {})[label] = case.time(config, few=few, num_valid=1)
 
 
 def _grouped_mm_step(case: Case) -> Callable[[int], object]:
@@ -484,12 +511,17 @@ def main() -> int:
                         help="record registers, spills and shared memory of the GEMM kernels each rule loads")
     parser.add_argument("--no-peer", action="store_true",
                         help=f"do not time {PEER} (timed by default on bf16 runs; fp8 runs have no peer)")
-    parser.add_argument("--table-fit-few", action="store_true",
-                        help="also time each table entry with its few-slot tiles fitted into its launches "
-                        f"(label {TABLE_FIT_FEW}; bf16, where the fit changes them)")
+    parser.add_argument("--table-few", default="",
+                        help="also time each table entry with its few-slot path changed, ways of "
+                        f"{','.join(TABLE_FEW)} (labels {', '.join(TABLE_FEW.values())}; bf16, where the "
+                        "way changes its launches)")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds of timing before stopping")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     args = parser.parse_args()
+    unknown = sorted(set(args.table_few.split(",")) - set(TABLE_FEW) - {""})
+    if unknown:
+        parser.error(f"--table-few takes ways of {','.join(TABLE_FEW)}, got {','.join(unknown)}")
+    table_few = [way for way in args.table_few.split(",") if way]
     if not torch.cuda.is_available():
         raise SystemExit("heuristic_eval.py times kernels on a CUDA device")
     names = [s for s in args.shapes.split(",") if s]
@@ -525,14 +557,14 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for name in names:
         rows += evaluate(name, tokens, rules, device, deadline, log, args.padded, args.kernel_stats,
-                         args.quant, peer=not args.no_peer, table_fit_few=args.table_fit_few)
+                         args.quant, peer=not args.no_peer, table_few=table_few)
         payload = {
             "device": device_name, "torch": torch.__version__, "quant": args.quant,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "untabled": [n for n in names if n in UNTABLED], "rows": rows,
         }
         stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    labels = list(rules) + ([TABLE_FIT_FEW] if any(TABLE_FIT_FEW in r["us"] for r in rows) else [])
+    labels = list(rules) + [label for label in TABLE_FEW.values() if any(label in r["us"] for r in rows)]
     table = ["Full batch:", "", *summarise(rows, labels)]
     if any(r.get("peer_us") for r in rows):
         table += ["", f"Against {PEER} (same inputs, same timing):", "", *peer_summary(rows, labels)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -151,7 +152,7 @@ def test_peer_summary_ratios_per_regime():
 
 
 def test_fitted_table_few_only_where_the_fit_changes_the_tiles():
-    """--table-fit-few times a table entry with its few-slot tiles fitted into its launches only
+    """--table-few fit times a table entry with its few-slot tiles fitted into its launches only
     where that changes them: no few-slot path, the bucket's own tiles, or tiles already within the
     entry's shared memory give None."""
     evaluation = _load()
@@ -162,3 +163,27 @@ def test_fitted_table_few_only_where_the_fit_changes_the_tiles():
     assert evaluation.fitted_table_few(None, main) is None
     assert evaluation.fitted_table_few(main, main) is None
     assert evaluation.fitted_table_few(fitted, main) is None
+
+
+def test_table_few_variants_only_where_a_way_changes_the_launches():
+    """--table-few times a table entry's few-slot path fitted, as the fused launch (buckets above 16
+    rows whose tiles are not fused yet) or left out, each only where it changes the launches; an
+    unknown way is refused by name."""
+    evaluation = _load()
+    main = heuristic_config(256, 64, 2048, 1024, 8, torch.bfloat16)  # 64-row blocks
+    decode = heuristic_config(2, 64, 2048, 1024, 8, torch.bfloat16)
+    ways = ["fit", "fused", "none"]
+    variants = evaluation.table_few_variants(decode, main, ways)
+    assert set(variants) == {"table_fit_few", "table_fused_few", "table_no_few"}
+    assert variants["table_fit_few"] == (main, evaluation.fitted_table_few(decode, main))
+    assert variants["table_fused_few"] == (main, dataclasses.replace(decode, fused=True))
+    assert variants["table_no_few"] == (dataclasses.replace(main, few=False), None)
+    assert evaluation.table_few_variants(None, main, ways) == {}  # no few-slot path
+    assert evaluation.table_few_variants(decode, decode, ways) == {}  # the bucket's own tiles
+    already = dataclasses.replace(decode, fused=True)
+    assert "table_fused_few" not in evaluation.table_few_variants(already, main, ways)
+    decode_bucket = heuristic_config(64, 64, 2048, 1024, 8, torch.bfloat16)  # 16-row tiles
+    assert decode_bucket.block_m == 16
+    assert "table_fused_few" not in evaluation.table_few_variants(decode, decode_bucket, ways)
+    with pytest.raises(ValueError, match="--table-few"):
+        evaluation.table_few_variants(decode, main, ["fast"])
