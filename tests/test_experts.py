@@ -1122,6 +1122,7 @@ def test_fused_few_tiles_in_a_larger_bucket(device: str, num_tokens: int, top_k:
     _assert_matches(device, out, expected, what="one row, same tiles")
 
 
+@pytest.mark.memcheck
 @pytest.mark.parametrize("block_m,fused", [(64, True), (32, False)])
 def test_untabled_64_row_bucket_takes_the_fused_few_slot_launch(device: str, block_m: int, fused: bool,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
