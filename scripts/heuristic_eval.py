@@ -142,6 +142,15 @@ def _tree_inner_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
     return _tree(t, e, h, i, k)
 
 
+def _tree_light_inner(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tree with its 64-row buckets' few-slot path inside their GEMM launches, with the previous
+    heuristic's decode tiles (128-wide K steps) there instead of the decode bucket's own (which
+    keeps its tiles): see LIGHT_INNER. The twenty-second session's kernel stats had those tiles
+    level with no path at all on the full batch; the one-row step against the fused launch is the
+    question."""
+    return _tree(t, e, h, i, k)
+
+
 def _gemm(n: int, k: int, warps: int, stages: int, group_m: int, tma: bool = True,
           interleave: bool = False) -> GemmTiles:
     return GemmTiles(block_n=n, block_k=k, group_m=group_m, num_warps=warps, num_stages=stages, tma=tma,
@@ -192,7 +201,7 @@ def _by_tiles(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
 # previous heuristic and the few-slot variant.
 RULES: dict[str, Rule] = {
     "tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "tree_raw_few": _tree_raw_few,
-    "tree_inner_few": _tree_inner_few, "prev64": _prev64,
+    "tree_inner_few": _tree_inner_few, "tree_light_inner": _tree_light_inner, "prev64": _prev64,
     "light_few": _light_few, "flags": _flags, "modes": _modes, "wide_k": _wide_k, "by_tiles": _by_tiles,
 }
 DEFAULT_RULES = "tree,previous,tree_no_few"
@@ -252,7 +261,8 @@ DEFAULT_FP8_RULES = "tree,previous,prev_tiles"
 RAW_FEW = {"tree_raw_few", "light_few"}  # rules whose few-slot tiles are not fitted to the main tiles'
 # Rules whose few-slot tiles stay inside the 64-row launches (fitted) instead of running as the fused
 # launch ahead of them (`few_slots_config` for an untabled shape, FUSED_FEW_BLOCK_M)
-INNER_FEW = {"tree_inner_few"}
+INNER_FEW = {"tree_inner_few", "tree_light_inner"}
+LIGHT_INNER = {"tree_light_inner"}  # ... with the previous heuristic's decode tiles as the few-slot tiles
 
 
 def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
@@ -301,8 +311,9 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             cfg = rule(t, e, h, i, k)
             row["configs"][label] = cfg.to_json()
             # fp8: no few-slot path
-            few = None if quant is not None else _few(rule, t, e, h, i, k, cfg, fit=label not in RAW_FEW,
-                                                        fuse=label not in INNER_FEW)
+            few_rule = _previous if label in LIGHT_INNER and cfg.block_m == FUSED_FEW_BLOCK_M else rule
+            few = None if quant is not None else _few(few_rule, t, e, h, i, k, cfg,
+                                                        fit=label not in RAW_FEW, fuse=label not in INNER_FEW)
             if (cfg, few) in timed:  # the same launches as another rule here: its times
                 twin = timed[(cfg, few)]
                 for field in ("us", "padded_us"):
