@@ -71,7 +71,7 @@ from safemoe.configs import (  # noqa: E402
 )
 from safemoe.kernels.experts import (  # noqa: E402
     FEW_SLOTS,
-    FUSED_FEW_BLOCK_M,
+    LIGHT_FEW_BLOCK_M,
     few_slots_bucket,
     few_tiles_from,
 )
@@ -136,18 +136,16 @@ def _tree_raw_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
 
 
 def _tree_inner_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
-    """The tree with the few-slot path of its 64-row buckets inside their GEMM launches, fitted to
-    their shared memory (the twenty-second session's behaviour, before FUSED_FEW_BLOCK_M): see
-    INNER_FEW."""
+    """The tree with the decode bucket's own few-slot tiles (256-wide K steps) inside its 64-row
+    launches, fitted to their shared memory: the twenty-second session's behaviour, before
+    LIGHT_FEW_BLOCK_M (see FEW_WAYS)."""
     return _tree(t, e, h, i, k)
 
 
-def _tree_light_inner(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
-    """The tree with its 64-row buckets' few-slot path inside their GEMM launches, with the previous
-    heuristic's decode tiles (128-wide K steps) there instead of the decode bucket's own (which
-    keeps its tiles): see LIGHT_INNER. The twenty-second session's kernel stats had those tiles
-    level with no path at all on the full batch; the one-row step against the fused launch is the
-    question."""
+def _tree_fused_few(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
+    """The tree with its 64-row buckets' few-slot path as the fused launch ahead of their GEMMs
+    (the decode bucket's tiles marked `fused`; the GEMMs compiled without the path): the library
+    between runs 3 and 5 of 2026-12-02 (see FEW_WAYS)."""
     return _tree(t, e, h, i, k)
 
 
@@ -201,7 +199,7 @@ def _by_tiles(t: int, e: int, h: int, i: int, k: int) -> ExpertsConfig:
 # previous heuristic and the few-slot variant.
 RULES: dict[str, Rule] = {
     "tree": _tree, "previous": _previous, "tree_no_few": _tree_no_few, "tree_raw_few": _tree_raw_few,
-    "tree_inner_few": _tree_inner_few, "tree_light_inner": _tree_light_inner, "prev64": _prev64,
+    "tree_inner_few": _tree_inner_few, "tree_fused_few": _tree_fused_few, "prev64": _prev64,
     "light_few": _light_few, "flags": _flags, "modes": _modes, "wide_k": _wide_k, "by_tiles": _by_tiles,
 }
 DEFAULT_RULES = "tree,previous,tree_no_few"
@@ -259,20 +257,24 @@ DEFAULT_FP8_RULES = "tree,previous,prev_tiles"
 
 
 RAW_FEW = {"tree_raw_few", "light_few"}  # rules whose few-slot tiles are not fitted to the main tiles'
-# Rules whose few-slot tiles stay inside the 64-row launches (fitted) instead of running as the fused
-# launch ahead of them (`few_slots_config` for an untabled shape, FUSED_FEW_BLOCK_M)
-INNER_FEW = {"tree_inner_few", "tree_light_inner"}
-LIGHT_INNER = {"tree_light_inner"}  # ... with the previous heuristic's decode tiles as the few-slot tiles
+# How a rule's 64-row buckets get their few-slot tiles where it is not as `few_slots_config` has
+# them for an untabled shape (the light tiles inside, LIGHT_FEW_BLOCK_M): "decode", the decode
+# bucket's own tiles inside; "fused", those tiles as the fused launch ahead of the GEMMs.
+FEW_WAYS = {"tree_inner_few": "decode", "tree_fused_few": "fused"}
 
 
 def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
-         fit: bool = True, fuse: bool = True) -> ExpertsConfig | None:
+         fit: bool = True, way: str | None = None) -> ExpertsConfig | None:
     """The few-slot tiles an untabled shape would run beside cfg, as `few_slots_config` has them:
-    the rule's own at few_slots_bucket(K), as the fused launch ahead of cfg's GEMMs in a 64-row
-    bucket, else fitted to cfg's shared memory where they go into cfg's launches (`fuse` False:
-    never fused; `fit` False: neither fused nor fitted, as they are)."""
-    return few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k), fit=fit,
-                          fuse=fit and fuse and cfg.block_m == FUSED_FEW_BLOCK_M)
+    the rule's own at few_slots_bucket(K), lighter in a 64-row bucket and fitted to cfg's shared
+    memory where they go into cfg's launches (`fit` False: neither, as they are); `way` (FEW_WAYS)
+    "decode": not lighter; "fused": not lighter, as the fused launch ahead of cfg's GEMMs."""
+    light = fit and way is None and cfg.block_m == LIGHT_FEW_BLOCK_M
+    few = few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k), fit=fit, light=light)
+    if way == "fused" and few is not None and few is not cfg and cfg.block_m == LIGHT_FEW_BLOCK_M:
+        raw = few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k))
+        return replace(raw, fused=True) if raw is not None else None
+    return few
 
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
@@ -311,9 +313,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
             cfg = rule(t, e, h, i, k)
             row["configs"][label] = cfg.to_json()
             # fp8: no few-slot path
-            few_rule = _previous if label in LIGHT_INNER and cfg.block_m == FUSED_FEW_BLOCK_M else rule
-            few = None if quant is not None else _few(few_rule, t, e, h, i, k, cfg,
-                                                        fit=label not in RAW_FEW, fuse=label not in INNER_FEW)
+            few = None if quant is not None else _few(rule, t, e, h, i, k, cfg, fit=label not in RAW_FEW,
+                                                        way=FEW_WAYS.get(label))
             if (cfg, few) in timed:  # the same launches as another rule here: its times
                 twin = timed[(cfg, few)]
                 for field in ("us", "padded_us"):
@@ -372,8 +373,8 @@ def table_few_variants(raw: ExpertsConfig | None, cfg: ExpertsConfig,
     """{label: (config, few-slot tiles)} of a table entry `cfg` whose few-slot tiles are `raw`
     (few_slots_config's), one per way that changes its launches: fit (the tiles fitted into cfg's
     launches), fused (the tiles as the fused launch ahead of cfg's GEMMs, what untabled 64-row
-    buckets run since the twenty-third session; buckets above 16 rows whose tiles are not fused
-    yet), none (the path left out)."""
+    buckets ran between runs 3 and 5 of 2026-12-02; buckets above 16 rows whose tiles are not
+    fused yet), none (the path left out)."""
     variants: dict[str, tuple[ExpertsConfig, ExpertsConfig | None]] = {}
     larger = raw is not None and raw is not cfg
     for way in ways:

@@ -618,7 +618,7 @@ def test_few_slot_tiles_of_an_untabled_shape(monkeypatch: pytest.MonkeyPatch) ->
     """For a shape without a table, few-slot tiles compiled into a larger bucket's launch never
     raise its shared memory (a launch holds both paths' buffers: the heuristic's 64-row GEMM2,
     96 KB, would keep the decode tiles' 256-wide K steps at 2 stages instead of 3), and a 64-row
-    bucket runs them as the fused launch ahead of its GEMMs instead (FUSED_FEW_BLOCK_M), unfitted.
+    bucket compiles lighter ones (LIGHT_FEW_BLOCK_M: `light_few_tiles`, 128-wide K steps).
     A tabled shape keeps the few-slot tiles it was tuned with; a bucket whose every batch takes the
     path runs its own tiles."""
     import dataclasses
@@ -641,9 +641,14 @@ def test_few_slot_tiles_of_an_untabled_shape(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(ex, "get_config", lambda *args, **kwargs: decode)
     cpu = torch.device("cpu")
-    assert ex.FUSED_FEW_BLOCK_M == 64 and not decode.fused
+    assert ex.LIGHT_FEW_BLOCK_M == 64
+    light = ex.light_few_tiles(decode)
+    assert (light.gemm1.block_k, light.gemm2.block_k, light.gemm1.num_stages, light.gemm2.num_stages) == (
+        128, 128, 4, 4)
+    assert (light.gemm1.block_n, light.gemm2.block_n) == (decode.gemm1.block_n, decode.gemm2.block_n)
+    assert ex.light_few_tiles(light) is light  # already light: the same object back
     narrow = dataclasses.replace(main, block_m=32)  # a 32-row bucket with the 64-row bucket's pipelines
-    for tabled, in_64_rows, in_32_rows in ((False, dataclasses.replace(decode, fused=True), fitted),
+    for tabled, in_64_rows, in_32_rows in ((False, few_tiles_within(light, main), fitted),
                                            (True, decode, decode)):
         monkeypatch.setattr(ex, "has_table", lambda *args, tabled=tabled, **kwargs: tabled)
         assert ex.few_slots_config(256, *shape[:3], shape[3], torch.bfloat16, cpu, main) == in_64_rows
@@ -1123,33 +1128,62 @@ def test_fused_few_tiles_in_a_larger_bucket(device: str, num_tokens: int, top_k:
 
 
 @pytest.mark.memcheck
-@pytest.mark.parametrize("block_m,fused", [(64, True), (32, False)])
-def test_untabled_64_row_bucket_takes_the_fused_few_slot_launch(device: str, block_m: int, fused: bool,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("block_m,tabled", [(64, False), (64, True), (32, False)])
+def test_untabled_64_row_bucket_compiles_light_few_slot_tiles(device: str, block_m: int, tabled: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """With the configs chosen by experts_triton itself (config None), a shape without a table
-    runs a 64-row bucket's padded steps as the fused few-slot launch ahead of its GEMMs
-    (FUSED_FEW_BLOCK_M), a tabled one inside them: the same bits, dropped counts and exact-zero
-    padding for every num_valid; a 32-row bucket keeps the path inside its launches either way."""
+    compiles lighter few-slot tiles (`light_few_tiles`: 128-wide K steps) into a 64-row bucket's
+    launches than its decode bucket runs; a tabled shape and a 32-row bucket keep the decode
+    tiles (fitted for an untabled shape). Every num_valid 0..T (a device tensor; NaN padding rows,
+    poisoned outputs, garbage ids) matches the reference with exact-zero padding rows and the
+    reference's dropped count, and no fused launch runs."""
+    import dataclasses
+
+    from safemoe.configs import few_tiles_within
     from safemoe.kernels import experts as ex
 
     num_tokens, top_k = 24, 2
-    inputs = _few_slot_inputs(device, num_tokens, top_k, seed=block_m)
-    tiles = GemmTiles(block_n=32, block_k=32, group_m=2, num_stages=1)
-    few = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1), tiles)
+    inputs = _few_slot_inputs(device, num_tokens, top_k, seed=block_m + tabled)
+    # main tiles with more shared memory than the decode tiles, so the fit leaves both as they are
+    tiles = GemmTiles(block_n=64, block_k=128, group_m=2, num_stages=4)
+    few = ExpertsConfig(16, GemmTiles(block_n=16, block_k=256, group_m=1, num_stages=3),
+                        GemmTiles(block_n=32, block_k=256, group_m=1, num_stages=3))
     big = ExpertsConfig(block_m, tiles, tiles)
     bucket = ex.few_slots_bucket(top_k)
     monkeypatch.setattr(ex, "get_config", lambda t, *args, **kwargs: few if t <= bucket else big)
-    calls = _spy_fused_launches(monkeypatch)
+    monkeypatch.setattr(ex, "has_table", lambda *args, **kwargs: tabled)
+    fused_calls = _spy_fused_launches(monkeypatch)
+    compiled: list[ExpertsConfig] = []
+    real_few_slots = ex.FewSlots
+
+    def recording(config: ExpertsConfig, *args, **kwargs):
+        compiled.append(config)
+        return real_few_slots(config, *args, **kwargs)
+
+    monkeypatch.setattr(ex, "FewSlots", recording)
+    light = ex.light_few_tiles(few)
+    assert (light.gemm1.block_k, light.gemm1.num_stages, light.gemm2.block_k) == (128, 4, 128)
+    expected_tiles = light if block_m == 64 and not tabled else few
+    assert few_tiles_within(few, big, 4) == few and few_tiles_within(light, big, 4) == light
     ws = Workspace(num_tokens, FEW_CASE[0], top_k, FEW_CASE[1], FEW_CASE[2], torch.float32, device)
-
-    def run(untabled: bool, x: torch.Tensor, nv: NumValid, health: torch.Tensor) -> torch.Tensor:
-        monkeypatch.setattr(ex, "has_table", lambda *args, **kwargs: not untabled)
-        return experts_triton(x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
-                              num_valid=nv, health=health, workspace=ws,
-                              out=poisoned(x.shape, torch.float32, device))
-
-    _same_bits_every_num_valid(device, inputs, run, f"untabled vs tabled, {block_m}-row bucket")
-    assert len(calls) == (num_tokens + 1 if fused else 0), "fused launches: one per untabled call"
+    nv = torch.tensor(0, device=device)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        x = inputs.x.clone()
+        x[num_valid:] = math.nan
+        health = new_health_tensor(device)
+        out = experts_triton(x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
+                             num_valid=NumValid(None, nv), health=health, workspace=ws,
+                             out=poisoned(x.shape, torch.float32, device))
+        assert_equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+        nv_ref = NumValid(num_valid, None)
+        expected = experts_reference(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids,
+                                     num_valid=nv_ref)
+        _assert_matches(device, out, expected, what=f"num_valid={num_valid}")
+        assert int(health[DROPPED_SLOTS]) == dispatch_reference(inputs.ids, FEW_CASE[0], nv_ref).dropped
+    assert compiled and all(c == expected_tiles for c in compiled), (compiled[0], expected_tiles)
+    assert not fused_calls, "no fused launch: the few-slot tiles run inside the bucket's GEMM launches"
+    assert not expected_tiles.fused and dataclasses.replace(expected_tiles, fused=False) == expected_tiles
 
 
 def test_few_config_errors() -> None:

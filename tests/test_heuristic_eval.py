@@ -187,3 +187,26 @@ def test_table_few_variants_only_where_a_way_changes_the_launches():
     assert "table_fused_few" not in evaluation.table_few_variants(decode, decode_bucket, ways)
     with pytest.raises(ValueError, match="--table-few"):
         evaluation.table_few_variants(decode, main, ["fast"])
+
+
+def test_light_few_tiles_are_the_tiles_run_5_timed():
+    """The few-slot tiles the library compiles into an untabled 64-row launch (`light_few_tiles`)
+    are, on every shape run 5 of 2026-12-02 timed, the previous heuristic's decode tiles that it
+    timed there (tree_light_inner); the other rules' ways differ from them."""
+    evaluation = _load()
+    for name in ("olmoe", "qwen2moe", "qwen3", "deepseek", "gptoss", "mixtral", "phimoe", "glm45air"):
+        e, k, h, i = evaluation.SHAPES[name]
+        buckets = [t for t in (64, 128, 256, 512, 1024, 2048)
+                   if evaluation._tree(t, e, h, i, k).block_m == 64]
+        assert buckets, name
+        for t in buckets:
+            cfg = evaluation._tree(t, e, h, i, k)
+            library = evaluation._few(evaluation._tree, t, e, h, i, k, cfg)
+            timed = evaluation._few(evaluation._previous, t, e, h, i, k, cfg, way="decode")
+            assert (library.gemm1, library.gemm2, library.programs_per_sm) == (
+                timed.gemm1, timed.gemm2, timed.programs_per_sm), (name, t)
+            decode = evaluation._few(evaluation._tree, t, e, h, i, k, cfg, way="decode")
+            assert decode.gemm2.block_k == 256 and not decode.fused, (name, t)
+            fused = evaluation._few(evaluation._tree, t, e, h, i, k, cfg, way="fused")
+            assert fused.fused and fused.gemm2 == evaluation._tree(
+                evaluation.few_slots_bucket(k), e, h, i, k).gemm2, (name, t)

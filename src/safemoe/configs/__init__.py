@@ -547,9 +547,9 @@ def few_tiles_within(few: ExpertsConfig, main: ExpertsConfig, element_bytes: int
     GEMM2 (96 KB) went to 120 KB with the decode tiles compiled in (H200 2026-12-01,
     bench/results/logs/heuristic_kernel_stats_64row_NVIDIA-H200_2026-12-01.txt). Fitting them
     did not move the time (H200 2026-12-02: OLMoE T = 256 238.8 / 238.5 us, DeepSeek-V3 T = 1024
-    5819 / 5822), so it is a bound, not a speed-up; those buckets now run the path as its own
-    fused launch (kernels/experts.py FUSED_FEW_BLOCK_M). `few_slots_config` applies it to the
-    other buckets of shapes without a tuned table (tables keep the few-slot tiles they were tuned
+    5819 / 5822), so it is a bound, not a speed-up; those buckets now compile lighter few-slot
+    tiles (kernels/experts.py LIGHT_FEW_BLOCK_M). `few_slots_config` applies it to every larger
+    bucket of a shape without a tuned table (tables keep the few-slot tiles they were tuned
     with)."""
     for name, value in (("few", few), ("main", main)):
         if not isinstance(value, ExpertsConfig):

@@ -81,14 +81,17 @@ SMALL_BATCH_TOKENS = 8
 # builds the layout in its registers from the ids (no dispatch kernel), one FEW_SLOTS-row tile per
 # expert routed to. It is the M of the smallest tensor-core tile, so a tile holds every slot.
 FEW_SLOTS = 16
-# A shape without a tuned table runs the few-slot path of its 64-row buckets as the fused launch
-# ahead of their GEMMs (`ExpertsConfig.fused` on the few-slot tiles), which are then compiled
-# without the path: compiled in, it cost their full batches 2-7% (H200 2026-12-02, heuristic_eval
-# tree -> tree with the fused launch: OLMoE T = 256 238.8 -> 225.3 us, Qwen3 T = 512 363.1 ->
-# 338.2, DeepSeek-V3 T = 1024 5811 -> 5597, Mixtral T = 128 709.4 -> 692.7), for 2-10 us more
-# on a one-valid-row step (DeepSeek-V3 T = 1024: 5 us less). 32- and 128-row buckets lost or
-# stayed level either way, so they keep the path inside their launches.
-FUSED_FEW_BLOCK_M = 64
+# A shape without a tuned table compiles lighter few-slot tiles into its 64-row buckets' launches
+# (`light_few_tiles`: K steps of at most 128, 4 stages) than its decode bucket runs (256-wide K
+# steps): with those, the path cost the full batches 2-7%, with the light ones nothing (H200
+# 2026-12-02, heuristic_eval runs 3 and 5, us, full batch / one valid row, decode tiles inside ->
+# light tiles inside: OLMoE T = 256 239.0 / 37.8 -> 224.8 / 34.1, Qwen3 T = 512 362.0 / 33.8 ->
+# 337.1 / 30.7, gpt-oss T = 1024 1680 / 67.6 -> 1625 / 64.1, DeepSeek-V3 T = 1024 5816 / 187.7
+# -> 5597 / 189.4). The fused launch ahead of the GEMMs gave the same full batches but slower
+# one-row steps on five of those six shapes (40.7, 36.7, 76.8 us; DeepSeek-V3 182.7). 32- and
+# 128-row buckets showed no such cost and keep the decode bucket's tiles.
+LIGHT_FEW_BLOCK_M = 64
+LIGHT_FEW_BLOCK_K = 128
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 # fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
@@ -1352,26 +1355,24 @@ def few_slots_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     """The tiles of the few-slot path for a batch of T tokens whose own config is `cfg`, or None
     when it is off: K > FEW_SLOTS, or `cfg.few` is False (a tuned per-bucket choice). A bucket
     that always takes it (T*K <= FEW_SLOTS) runs its own tiles; a larger one those of
-    `few_slots_bucket(K)` tokens. For a shape without a tuned table: in a bucket of
-    FUSED_FEW_BLOCK_M-row tiles, as the fused launch ahead of the GEMMs; in any other, with
-    pipelines no larger than cfg's own (`few_tiles_within`: they are compiled into cfg's
-    launches)."""
+    `few_slots_bucket(K)` tokens. For a shape without a tuned table those larger buckets' tiles
+    are lighter in a bucket of LIGHT_FEW_BLOCK_M-row tiles (`light_few_tiles`) and never need more
+    shared memory than cfg's own (`few_tiles_within`: they are compiled into cfg's launches)."""
     def source() -> ExpertsConfig:
         return get_config(few_slots_bucket(top_k), num_experts, hidden, inter, top_k, dtype, device)
 
     untabled = not has_table(num_experts, hidden, inter, top_k, dtype, device)
     return few_tiles_from(num_tokens, top_k, cfg, source, fit=untabled, element_bytes=dtype.itemsize,
-                          fuse=untabled and cfg.block_m == FUSED_FEW_BLOCK_M)
+                          light=untabled and cfg.block_m == LIGHT_FEW_BLOCK_M)
 
 
 def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Callable[[], ExpertsConfig],
-                   fit: bool = False, element_bytes: int = 2, fuse: bool = False) -> ExpertsConfig | None:
+                   fit: bool = False, element_bytes: int = 2, light: bool = False) -> ExpertsConfig | None:
     """`few_slots_config`'s rule with the config serving `few_slots_bucket(K)` tokens from
-    `source()` (called only when needed); `fuse`: in a larger bucket of tiles above 16 rows, those
-    tiles marked `fused` (their own launch ahead of cfg's GEMMs, which are compiled without the
-    path); else `fit`: a larger bucket's few-slot tiles cut to cfg's shared memory
-    (`few_tiles_within`, elements of `element_bytes`). scripts/tune_experts.py applies it to a
-    table it edits, scripts/heuristic_eval.py to the rules it times."""
+    `source()` (called only when needed); in a larger bucket, `light`: those tiles with K steps of
+    at most 128 (`light_few_tiles`), and `fit`: cut to cfg's shared memory (`few_tiles_within`,
+    elements of `element_bytes`). scripts/tune_experts.py applies it to a table it edits,
+    scripts/heuristic_eval.py to the rules it times."""
     if top_k > FEW_SLOTS or not cfg.few:
         return None
     if num_tokens * top_k <= FEW_SLOTS:
@@ -1379,9 +1380,24 @@ def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Call
     few = source()
     if not few.few:
         return None
-    if fuse and cfg.block_m > FEW_SLOTS:
-        return few if few.fused else replace(few, fused=True)
+    if light:
+        few = light_few_tiles(few)
     return few_tiles_within(few, cfg, element_bytes) if fit else few
+
+
+def light_few_tiles(few: ExpertsConfig) -> ExpertsConfig:
+    """Few-slot tiles `few` with each GEMM's K step cut to at most 128 columns, 4 stages deep where
+    it was cut (the decode tiles of the heuristic before 2026-12-01, which the same H200 run timed
+    level with no path at all in the 64-row launches; LIGHT_FEW_BLOCK_M)."""
+    def lighter(tiles: GemmTiles) -> GemmTiles:
+        if tiles.block_k <= LIGHT_FEW_BLOCK_K:
+            return tiles
+        return replace(tiles, block_k=LIGHT_FEW_BLOCK_K, num_stages=4)
+
+    gemm1, gemm2 = lighter(few.gemm1), lighter(few.gemm2)
+    if (gemm1, gemm2) == (few.gemm1, few.gemm2):
+        return few
+    return replace(few, gemm1=gemm1, gemm2=gemm2)
 
 
 def _check_fp8_config(cfg: ExpertsConfig | None, weights: Fp8Weights | None) -> None:
