@@ -647,6 +647,8 @@ def test_few_slot_tiles_of_an_untabled_shape(monkeypatch: pytest.MonkeyPatch) ->
         128, 128, 4, 4)
     assert (light.gemm1.block_n, light.gemm2.block_n) == (decode.gemm1.block_n, decode.gemm2.block_n)
     assert ex.light_few_tiles(light) is light  # already light: the same object back
+    with pytest.raises(TypeError, match="few must be a safemoe ExpertsConfig"):
+        ex.light_few_tiles(decode.gemm1)  # type: ignore[arg-type]
     narrow = dataclasses.replace(main, block_m=32)  # a 32-row bucket with the 64-row bucket's pipelines
     for tabled, in_64_rows, in_32_rows in ((False, few_tiles_within(light, main), fitted),
                                            (True, decode, decode)):

@@ -83,7 +83,8 @@ SMALL_BATCH_TOKENS = 8
 FEW_SLOTS = 16
 # A shape without a tuned table compiles lighter few-slot tiles into its 64-row buckets' launches
 # (`light_few_tiles`: K steps of at most 128, 4 stages) than its decode bucket runs (256-wide K
-# steps): with those, the path cost the full batches 2-7%, with the light ones nothing (H200
+# steps): with the decode bucket's tiles compiled in, a path the full batch never takes cost it
+# 2-7%, with the light ones nothing (H200
 # 2026-12-02, heuristic_eval runs 3 and 5, us, full batch / one valid row, decode tiles inside ->
 # light tiles inside: OLMoE T = 256 239.0 / 37.8 -> 224.8 / 34.1, Qwen3 T = 512 362.0 / 33.8 ->
 # 337.1 / 30.7, gpt-oss T = 1024 1680 / 67.6 -> 1625 / 64.1, DeepSeek-V3 T = 1024 5816 / 187.7
@@ -1389,6 +1390,9 @@ def light_few_tiles(few: ExpertsConfig) -> ExpertsConfig:
     """Few-slot tiles `few` with each GEMM's K step cut to at most 128 columns, 4 stages deep where
     it was cut (the decode tiles of the heuristic before 2026-12-01, which the same H200 run timed
     level with no path at all in the 64-row launches; LIGHT_FEW_BLOCK_M)."""
+    if not isinstance(few, ExpertsConfig):
+        raise TypeError(f"few must be a safemoe ExpertsConfig, got {type(few).__name__}")
+
     def lighter(tiles: GemmTiles) -> GemmTiles:
         if tiles.block_k <= LIGHT_FEW_BLOCK_K:
             return tiles
