@@ -771,17 +771,20 @@ def _compile_task(task: CompileTask) -> list[str]:
 
 def few_slots_tiles(cfg: ExpertsConfig, name: str, num_tokens: int, device: torch.device,
                     quant: str | None = None) -> ExpertsConfig | None:
-    """The few-slot tiles `experts_triton` would run with candidate `cfg` by default, so a
-    candidate is timed as the bucket runs: a bucket whose every batch takes the path (T*K <= 16)
-    on it with the candidate's own tiles; a larger one with the path compiled into its launch (the
-    device table's tiles of the largest such bucket) unless the candidate turns it off. None with
-    fp8 weights (the path takes none)."""
-    from safemoe.kernels.experts import few_slots_config
+    """The few-slot tiles `experts_triton` would run with candidate `cfg` once the shape has a
+    table, so a candidate is timed as the bucket will run: a bucket whose every batch takes the
+    path (T*K <= 16) on it with the candidate's own tiles; a larger one with the path compiled
+    into its launch (the device table's tiles of the largest such bucket, as they are: a tabled
+    shape's few-slot tiles are neither lightened nor fitted, even while the shape being tuned has
+    no table yet) unless the candidate turns it off. None with fp8 weights (the path takes none)."""
+    from safemoe.configs import get_config
+    from safemoe.kernels.experts import few_slots_bucket, few_tiles_from
 
     if quant is not None:
         return None
     num_experts, top_k, hidden, inter = SHAPES[name]
-    return few_slots_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16, device, cfg)
+    return few_tiles_from(num_tokens, top_k, cfg, lambda: get_config(
+        few_slots_bucket(top_k), num_experts, hidden, inter, top_k, torch.bfloat16, device))
 
 
 def compile_tasks(names: list[str], tokens_of: dict[str, tuple[int, ...]], quant: str | None = None,

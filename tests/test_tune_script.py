@@ -356,6 +356,17 @@ def test_candidates_are_timed_as_the_bucket_runs(monkeypatch):
     few_bucket = get_config(8, 4, 64, 32, 2, torch.bfloat16, cpu)
     assert tune.few_slots_tiles(_cfg(64), "tiny", 1024, cpu) == few_bucket
     assert tune.few_slots_tiles(tune.replace(_cfg(64), few=False), "tiny", 1024, cpu) is None
+    # A shape tuned before it has a table is timed as it will run with one: the decode bucket's
+    # few-slot tiles as they are, not the untabled runtime's lighter or fitted ones.
+    import safemoe.configs as configs
+    import safemoe.kernels.experts as ex
+
+    wide = ExpertsConfig(16, GemmTiles(block_n=32, block_k=256, num_stages=3),
+                         GemmTiles(block_n=64, block_k=256, num_stages=3))
+    monkeypatch.setattr(configs, "get_config", lambda t, *args, **kwargs: wide if t <= 8 else _cfg(64))
+    monkeypatch.setattr(ex, "has_table", lambda *args, **kwargs: False)
+    assert ex.light_few_tiles(wide) != wide
+    assert tune.few_slots_tiles(_cfg(64), "tiny", 1024, cpu) is wide
 
 
 def test_one_launch_flags_exclude_each_other(tmp_path):
