@@ -74,6 +74,7 @@ from safemoe.kernels.experts import (  # noqa: E402
     LIGHT_FEW_BLOCK_M,
     few_slots_bucket,
     few_tiles_from,
+    light_few_tiles,
 )
 
 DEFAULT_SHAPES = "qwen3,olmoe,mixtral,phimoe,deepseek,glm45air,gptoss,qwen2moe,qwen3next"
@@ -355,7 +356,8 @@ def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch
 
 PEER = "torch grouped_mm"
 # --table-few: a table entry timed with its few-slot path changed, one label per way
-TABLE_FEW = {"fit": "table_fit_few", "fused": "table_fused_few", "none": "table_no_few"}
+TABLE_FEW = {"fit": "table_fit_few", "fused": "table_fused_few", "none": "table_no_few",
+             "light": "table_light_few"}
 
 
 def fitted_table_few(raw: ExpertsConfig | None, cfg: ExpertsConfig) -> ExpertsConfig | None:
@@ -374,7 +376,8 @@ def table_few_variants(raw: ExpertsConfig | None, cfg: ExpertsConfig,
     (few_slots_config's), one per way that changes its launches: fit (the tiles fitted into cfg's
     launches), fused (the tiles as the fused launch ahead of cfg's GEMMs, what untabled 64-row
     buckets ran between runs 3 and 5 of 2026-12-02; buckets above 16 rows whose tiles are not
-    fused yet), none (the path left out)."""
+    fused yet), none (the path left out), light (the tiles with K steps of at most 128, what untabled
+    64-row buckets compile since run 5 of 2026-12-02; where that changes them)."""
     variants: dict[str, tuple[ExpertsConfig, ExpertsConfig | None]] = {}
     larger = raw is not None and raw is not cfg
     for way in ways:
@@ -388,6 +391,9 @@ def table_few_variants(raw: ExpertsConfig | None, cfg: ExpertsConfig,
         elif way == "none":
             if raw is not None and larger:
                 variants[TABLE_FEW[way]] = (replace(cfg, few=False), None)
+        elif way == "light":
+            if raw is not None and larger and light_few_tiles(raw) != raw:
+                variants[TABLE_FEW[way]] = (cfg, light_few_tiles(raw))
         else:
             raise ValueError(f"--table-few takes ways of {sorted(TABLE_FEW)}, got {way!r}")
     return variants

@@ -172,9 +172,12 @@ def test_table_few_variants_only_where_a_way_changes_the_launches():
     evaluation = _load()
     main = heuristic_config(256, 64, 2048, 1024, 8, torch.bfloat16)  # 64-row blocks
     decode = heuristic_config(2, 64, 2048, 1024, 8, torch.bfloat16)
-    ways = ["fit", "fused", "none"]
+    ways = ["fit", "fused", "none", "light"]
     variants = evaluation.table_few_variants(decode, main, ways)
-    assert set(variants) == {"table_fit_few", "table_fused_few", "table_no_few"}
+    assert set(variants) == {"table_fit_few", "table_fused_few", "table_no_few", "table_light_few"}
+    light = variants["table_light_few"][1]
+    assert variants["table_light_few"][0] == main and (light.gemm1.block_k, light.gemm2.block_k) == (128, 128)
+    assert "table_light_few" not in evaluation.table_few_variants(light, main, ways)  # already light
     assert variants["table_fit_few"] == (main, evaluation.fitted_table_few(decode, main))
     assert variants["table_fused_few"] == (main, dataclasses.replace(decode, fused=True))
     assert variants["table_no_few"] == (dataclasses.replace(main, few=False), None)
