@@ -270,12 +270,14 @@ def _few(rule: Rule, t: int, e: int, h: int, i: int, k: int, cfg: ExpertsConfig,
     the rule's own at few_slots_bucket(K), lighter in a 64-row bucket and fitted to cfg's shared
     memory where they go into cfg's launches (`fit` False: neither, as they are); `way` (FEW_WAYS)
     "decode": not lighter; "fused": not lighter, as the fused launch ahead of cfg's GEMMs."""
+    def source() -> ExpertsConfig:
+        return rule(few_slots_bucket(k), e, h, i, k)
+
+    if way == "fused" and cfg.block_m == LIGHT_FEW_BLOCK_M:
+        raw = few_tiles_from(t, k, cfg, source)
+        return replace(raw, fused=True) if raw is not None and raw is not cfg else raw
     light = fit and way is None and cfg.block_m == LIGHT_FEW_BLOCK_M
-    few = few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k), fit=fit, light=light)
-    if way == "fused" and few is not None and few is not cfg and cfg.block_m == LIGHT_FEW_BLOCK_M:
-        raw = few_tiles_from(t, k, cfg, lambda: rule(few_slots_bucket(k), e, h, i, k))
-        return replace(raw, fused=True) if raw is not None else None
-    return few
+    return few_tiles_from(t, k, cfg, source, fit=fit, light=light)
 
 
 def evaluate(name: str, tokens: list[int], rules: dict[str, Rule], device: torch.device, deadline: float,
@@ -378,25 +380,18 @@ def table_few_variants(raw: ExpertsConfig | None, cfg: ExpertsConfig,
     buckets ran between runs 3 and 5 of 2026-12-02; buckets above 16 rows whose tiles are not
     fused yet), none (the path left out), light (the tiles with K steps of at most 128, what untabled
     64-row buckets compile since run 5 of 2026-12-02; where that changes them)."""
-    variants: dict[str, tuple[ExpertsConfig, ExpertsConfig | None]] = {}
-    larger = raw is not None and raw is not cfg
-    for way in ways:
-        if way == "fit":
-            fitted = fitted_table_few(raw, cfg)
-            if fitted is not None:
-                variants[TABLE_FEW[way]] = (cfg, fitted)
-        elif way == "fused":
-            if raw is not None and larger and cfg.block_m > FEW_SLOTS and not raw.fused:
-                variants[TABLE_FEW[way]] = (cfg, replace(raw, fused=True))
-        elif way == "none":
-            if raw is not None and larger:
-                variants[TABLE_FEW[way]] = (replace(cfg, few=False), None)
-        elif way == "light":
-            if raw is not None and larger and light_few_tiles(raw) != raw:
-                variants[TABLE_FEW[way]] = (cfg, light_few_tiles(raw))
-        else:
-            raise ValueError(f"--table-few takes ways of {sorted(TABLE_FEW)}, got {way!r}")
-    return variants
+    unknown = [way for way in ways if way not in TABLE_FEW]
+    if unknown:
+        raise ValueError(f"--table-few takes ways of {sorted(TABLE_FEW)}, got {unknown[0]!r}")
+    if raw is None or raw is cfg:  # no few-slot path, or the bucket's own tiles: nothing to change
+        return {}
+    candidates: dict[str, tuple[ExpertsConfig, ExpertsConfig | None] | None] = {
+        "fit": (cfg, fitted) if (fitted := fitted_table_few(raw, cfg)) is not None else None,
+        "fused": (cfg, replace(raw, fused=True)) if cfg.block_m > FEW_SLOTS and not raw.fused else None,
+        "none": (replace(cfg, few=False), None),
+        "light": (cfg, light) if (light := light_few_tiles(raw)) != raw else None,
+    }
+    return {TABLE_FEW[way]: variant for way in ways if (variant := candidates[way]) is not None}
 
 
 def _time_table_few(case: Case, row: dict[str, Any], cfg: ExpertsConfig, padded: bool,

@@ -1392,7 +1392,11 @@ def light_few_tiles(few: ExpertsConfig) -> ExpertsConfig:
     level with no path at all in the 64-row launches; LIGHT_FEW_BLOCK_M)."""
     if not isinstance(few, ExpertsConfig):
         raise TypeError(f"few must be a safemoe ExpertsConfig, got {type(few).__name__}")
+    return _light_few_tiles(few)
 
+
+@functools.lru_cache(maxsize=256)  # asked every forward of an untabled shape's 64-row buckets
+def _light_few_tiles(few: ExpertsConfig) -> ExpertsConfig:
     def lighter(tiles: GemmTiles) -> GemmTiles:
         if tiles.block_k <= LIGHT_FEW_BLOCK_K:
             return tiles
