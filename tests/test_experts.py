@@ -1066,24 +1066,78 @@ def test_interleaved_gate_up_tile_matches(device: str) -> None:
 
 
 @interpreter_only(INTERPRETER_ONLY)
-def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("num_tokens,own_few", [(9, False), (17, True)])
+def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyPatch, num_tokens: int,
+                                                     own_few: bool) -> None:
     """A bucket with T*K > 16 runs its GEMMs apart whatever its own `fused` says (a batch there may
-    need the dispatch layout), and still matches the reference; only fused few-slot tiles (the
-    few_config's `fused`, test below) bring the fused launch into it."""
+    need the dispatch layout) unless it is a fused bucket of <= FUSED_SLOTS slots running its own
+    tiles as the few-slot tiles (test below): here with other few-slot tiles (18 slots) or above
+    FUSED_SLOTS (34 slots, its own tiles). It still matches the reference; only fused few-slot tiles
+    (the few_config's `fused`, tests below) bring the fused launch into it."""
     import dataclasses
 
     calls = _spy_fused_launches(monkeypatch)
     gen = torch.Generator().manual_seed(5)
-    num_tokens, num_experts, top_k, hidden, inter = 9, 6, 2, 32, 32
+    num_experts, top_k, hidden, inter = 6, 2, 32, 32
     w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
     x = torch.randn(num_tokens, hidden, generator=gen)
     weights, ids = _routing(num_tokens, top_k, num_experts, gen)
     cfg = dataclasses.replace(_config(16), fused=True)
     for num_valid in (1, num_tokens):
         out = experts_triton(x, w13, w2, weights, ids, activation="silu", num_valid=NumValid(num_valid, None),
-                             health=None, config=cfg, few_config=_config(16))
+                             health=None, config=cfg, few_config=cfg if own_few else _config(16))
         assert_close(out, _reference(x, w13, w2, weights, ids, num_valid=num_valid))
     assert not calls
+
+
+@pytest.mark.memcheck
+@pytest.mark.parametrize("num_tokens,top_k", [(8, 4), (3, 8), (16, 2), (5, 5)])
+def test_fused_bucket_of_up_to_32_slots(device: str, num_tokens: int, top_k: int,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `fused` bucket of 16 < T*K <= FUSED_SLOTS (32) slots with its own tiles as few-slot tiles
+    runs every batch as the fused launch with 32-row tiles: no dispatch launch, for every num_valid
+    0..T (a device tensor), garbage ids (duplicates served, -1, >= E, stale: dropped and counted
+    once), NaN padding rows and poisoned outputs: equal to the reference and to the same bucket
+    unfused (dispatch layout, same tiles) within its tolerance, padded rows exact zeros, counters
+    zero again after every call (one workspace), the same bits run to run."""
+    import dataclasses
+
+    from safemoe.kernels.experts import FEW_SLOTS, FUSED_SLOTS
+
+    assert FEW_SLOTS < num_tokens * top_k <= FUSED_SLOTS
+    calls = _spy_fused_launches(monkeypatch)
+    inputs = _few_slot_inputs(device, num_tokens, top_k, seed=num_tokens * 10 + top_k + 7)
+    num_experts, hidden, inter = FEW_CASE
+    fused = ExpertsConfig(16, GemmTiles(block_n=16, block_k=32, group_m=1, num_stages=1),
+                          GemmTiles(block_n=32, block_k=16, group_m=1, num_stages=1, tma=True), fused=True)
+    apart = dataclasses.replace(fused, fused=False)
+    ws = Workspace(num_tokens, num_experts, top_k, hidden, inter, torch.float32, device)
+    views = ws.views(num_tokens, num_experts, top_k, hidden, inter)
+    nv = torch.tensor(0, device=device)
+    for num_valid in range(num_tokens + 1):
+        nv.fill_(num_valid)
+        x = inputs.x.clone()
+        x[num_valid:] = math.nan
+        nv_ref = NumValid(num_valid, None)
+        expected = experts_reference(inputs.x, inputs.w13, inputs.w2, inputs.weights, inputs.ids,
+                                     num_valid=nv_ref)
+        outs = {}
+        for name, cfg in (("apart", apart), ("fused", fused), ("fused again", fused)):
+            views.num_blocks.fill_(7)
+            health = new_health_tensor(device)
+            outs[name] = experts_triton(
+                x, inputs.w13, inputs.w2, inputs.weights, inputs.ids, activation="silu",
+                num_valid=NumValid(None, nv), health=health, workspace=ws,
+                out=poisoned(x.shape, torch.float32, device), config=cfg, few_config=cfg)
+            assert int(health[DROPPED_SLOTS]) == dispatch_reference(inputs.ids, num_experts, nv_ref).dropped
+            assert int(views.few_sync.count_nonzero()) == 0, "counters left set"
+            _assert_matches(device, outs[name], expected, what=f"{name}, num_valid={num_valid}")
+            assert_equal(outs[name][num_valid:], torch.zeros_like(outs[name][num_valid:]))
+            launched_dispatch = views.num_blocks.tolist() != [7, 7]
+            assert launched_dispatch == (name == "apart"), name
+        _assert_matches(device, outs["fused"], outs["apart"], what=f"fused vs apart, num_valid={num_valid}")
+        assert_equal(outs["fused again"], outs["fused"], what=f"run to run, num_valid={num_valid}")
+    assert len(calls) == 2 * (num_tokens + 1)
 
 
 @pytest.mark.memcheck

@@ -81,6 +81,11 @@ SMALL_BATCH_TOKENS = 8
 # builds the layout in its registers from the ids (no dispatch kernel), one FEW_SLOTS-row tile per
 # expert routed to. It is the M of the smallest tensor-core tile, so a tile holds every slot.
 FEW_SLOTS = 16
+# A bucket of up to this many slots (T*K) whose own config is `fused` runs every batch as the fused
+# few-slot launch with tiles of FUSED_SLOTS rows (no dispatch launch, GEMM2's tiles of an expert
+# starting as its GEMM1 tiles finish): the decode buckets above 16 slots whose GEMM1 runs several
+# waves, where the fused launch paid at 16 slots (gpt-oss T = 4: -5.1% on an H200).
+FUSED_SLOTS = 32
 # A shape without a tuned table compiles lighter few-slot tiles into its 64-row buckets' launches
 # (`light_few_tiles`: K steps of at most 128, 4 stages) than its decode bucket runs (256-wide K
 # steps): with the decode bucket's tiles compiled in, a path the full batch never takes cost it
@@ -1081,9 +1086,10 @@ def _upcast(dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class FewSlots:
     """The few-slot path of one call: the tiles its GEMMs run (`config`'s gemm1/gemm2; its block_m
-    is FEW_SLOTS whatever the config says), what its programs read to build the layout (ids,
-    num_valid, and health for the slots they drop), and `only`: T*K <= FEW_SLOTS, so every call
-    takes it (no dispatch launch; the GEMMs are compiled with this path alone)."""
+    is `rows()` whatever the config says), what its programs read to build the layout (ids,
+    num_valid, and health for the slots they drop), and `only`: every call takes it, T*K <=
+    FEW_SLOTS or a fused bucket of T*K <= FUSED_SLOTS (no dispatch launch; the GEMMs are compiled
+    with this path alone)."""
 
     config: ExpertsConfig
     ids: torch.Tensor
@@ -1091,6 +1097,11 @@ class FewSlots:
     health: torch.Tensor | None
     only: bool
     ids_complete: bool = False
+
+    def rows(self) -> int:
+        """The path's tile rows (and the most slots it serves): FUSED_SLOTS in a fused bucket of
+        more than FEW_SLOTS slots, else FEW_SLOTS."""
+        return FUSED_SLOTS if self.only and self.ids.numel() > FEW_SLOTS else FEW_SLOTS
 
     def kernel_args(self) -> dict[str, object]:
         has_nv_ptr = self.num_valid.tensor is not None
@@ -1294,10 +1305,11 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     inter = two_inter // 2
     top_k = few.ids.shape[1]
     tiles1, tiles2 = few.config.gemm1, few.config.gemm2
-    if views.few_sync.numel() < 2 + FEW_SLOTS:
+    rows = few.rows()
+    if views.few_sync.numel() < 2 + rows:
         raise ValueError(f"workspace few_sync holds {views.few_sync.numel()} counters, the fused few-slot "
-                         f"launch needs {2 + FEW_SLOTS}")
-    slots = min(FEW_SLOTS, num_tokens * top_k)
+                         f"launch needs {2 + rows}")
+    slots = min(rows, num_tokens * top_k)
     tiles = slots * (cdiv(inter, tiles1.block_n) + cdiv(hidden, tiles2.block_n))
     grid = persistent_grid(tiles, x.device, few.config.programs_per_sm)
     args = few.kernel_args()
@@ -1307,7 +1319,7 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         views.intermediate, views.y,
         args["num_valid_count"], num_tokens, hidden, inter, num_experts, 2 * inter * hidden, inter * hidden,
         hidden * inter,
-        TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], UPCAST=_upcast(x.dtype), FEW=FEW_SLOTS,
+        TOP_K=top_k, ACTIVATION=_ACTIVATION_CODES[activation], UPCAST=_upcast(x.dtype), FEW=rows,
         BLOCK_N1=tiles1.block_n, BLOCK_K1=tiles1.block_k, EVEN_K1=hidden % tiles1.block_k == 0,
         USE_TMA1=_use_tma(w13, tiles1),
         BLOCK_N2=tiles2.block_n, BLOCK_K2=tiles2.block_k, EVEN_K2=inter % tiles2.block_k == 0,
@@ -1376,7 +1388,7 @@ def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Call
     scripts/heuristic_eval.py to the rules it times."""
     if top_k > FEW_SLOTS or not cfg.few:
         return None
-    if num_tokens * top_k <= FEW_SLOTS:
+    if num_tokens * top_k <= (FUSED_SLOTS if cfg.fused else FEW_SLOTS):
         return cfg
     few = source()
     if not few.few:
@@ -1537,7 +1549,10 @@ def experts_triton(
         operands = Fp8Operands(fp8, workspace.fp8_views(num_tokens, num_experts, top_k, hidden, inter, group))
     few = None
     if few_config is not None:
-        only = num_tokens * top_k <= FEW_SLOTS
+        # a fused bucket of up to FUSED_SLOTS slots with its own tiles as few_config: every batch
+        # takes the fused launch with FUSED_SLOTS-row tiles
+        only = num_tokens * top_k <= FEW_SLOTS or (
+            num_tokens * top_k <= FUSED_SLOTS and few_config.fused and few_config == config)
         few = FewSlots(few_config, ids, num_valid, health, only, ids_complete)
         if only:
             # Every call takes the few-slot path: its tiles alone, no dispatch, no small tiles.
