@@ -61,7 +61,9 @@ How it searches (per model shape and token bucket T):
    kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning; an entry
    whose one_launch was set by hand carries `one_launch_pinned` (the reason) and is kept.
 5. fused (after one_launch; skip with --no-fused): every bucket whose every call takes the
-   few-slot path (T*K <= FEW_SLOTS) is timed with GEMM1 and GEMM2 in two launches and in one
+   few-slot path (T*K <= FEW_SLOTS) or, fused, would (T*K <= FUSED_SLOTS: then with 32-row tiles
+   and no dispatch launch; H200 2026-12-02: Qwen3-Next T = 2 -15.8%, gpt-oss T = 8 +0.3 to +31%
+   with its tiles, Qwen3 / DeepSeek-V3 T = 4 +1.2 / +7.8%) is timed with GEMM1 and GEMM2 in two launches and in one
    (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians compared: fused only
    when faster by more than FUSED_MARGIN (`choose_fused`). It pays where GEMM1 runs several waves
    of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26: gpt-oss and DeepSeek-V3
@@ -128,7 +130,7 @@ from safemoe.configs import (  # noqa: E402
     shape_key,
     token_bucket,
 )
-from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS  # noqa: E402
+from safemoe.kernels.experts import FEW_SLOTS, FUSED_SLOTS, SMALL_BATCH_TOKENS  # noqa: E402
 from safemoe.numerics import FP8_BLOCK  # noqa: E402
 
 # (E, K, H, I)
@@ -1039,7 +1041,7 @@ def search_fused(incumbent: ExpertsConfig | None, num_tokens: int, top_k: int) -
     incumbent is fused, so the tiles are searched as the bucket runs (the fused launch has one
     num_stages and occupancy for both GEMMs: its best tiles need not be the two launches'). The
     fused step after the search re-decides it for the winner."""
-    return incumbent is not None and incumbent.fused and num_tokens * top_k <= FEW_SLOTS
+    return incumbent is not None and incumbent.fused and num_tokens * top_k <= FUSED_SLOTS
 
 
 def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[ExpertsConfig, float] | None:
@@ -1438,8 +1440,10 @@ def run_one_launch(
 
 def fused_buckets(configs: dict[int, ExpertsConfig], top_k: int) -> list[int]:
     """The buckets of `configs` whose `fused` is timed: every call takes the few-slot path there
-    (T*K <= FEW_SLOTS, the path not turned off)."""
-    return [bucket for bucket in sorted(configs) if bucket * top_k <= FEW_SLOTS and configs[bucket].few]
+    (T*K <= FEW_SLOTS) or would, fused (T*K <= FUSED_SLOTS), the path not turned off."""
+    if top_k > FEW_SLOTS:  # the few-slot path is off
+        return []
+    return [bucket for bucket in sorted(configs) if bucket * top_k <= FUSED_SLOTS and configs[bucket].few]
 
 
 def choose_fused(two_launches_us: float, fused_us: float, margin: float = FUSED_MARGIN) -> bool:

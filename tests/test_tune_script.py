@@ -575,13 +575,13 @@ def test_main_missing_tunes_only_the_buckets_without_an_entry(monkeypatch, tmp_p
 
 
 def test_fused_buckets_and_rule():
-    """fused is timed where every call takes the few-slot path (T*K <= 16, few on), and kept only
-    when faster by more than FUSED_MARGIN."""
+    """fused is timed where every call takes the few-slot path (T*K <= 16, few on) or would, fused
+    (T*K <= 32), and kept only when faster by more than FUSED_MARGIN."""
     tune = _load()
     configs = {b: _cfg(16) for b in (1, 2, 4, 8, 16, 64)}
-    assert tune.fused_buckets(configs, 2) == [1, 2, 4, 8]
-    assert tune.fused_buckets(configs, 8) == [1, 2]
-    assert tune.fused_buckets({**configs, 2: _cfg(16, few=False)}, 8) == [1]
+    assert tune.fused_buckets(configs, 2) == [1, 2, 4, 8, 16]
+    assert tune.fused_buckets(configs, 8) == [1, 2, 4]
+    assert tune.fused_buckets({**configs, 2: _cfg(16, few=False)}, 8) == [1, 4]
     assert tune.fused_buckets(configs, 17) == []
     margin = tune.FUSED_MARGIN
     assert tune.choose_fused(100.0, 100.0 * (1 - margin) - 0.01)
@@ -1314,7 +1314,8 @@ def test_a_fused_incumbent_has_its_candidates_searched_fused(monkeypatch):
     tune = _load()
     fused_incumbent = _cfg(16, fused=True)
     assert tune.search_fused(fused_incumbent, 1, 8) and tune.search_fused(fused_incumbent, 2, 8)
-    assert not tune.search_fused(fused_incumbent, 4, 8), "T*K > 16: never fused"
+    assert tune.search_fused(fused_incumbent, 4, 8), "T*K <= 32: fused with 32-row tiles"
+    assert not tune.search_fused(fused_incumbent, 8, 8), "T*K > 32: never fused"
     assert not tune.search_fused(_cfg(16), 1, 8) and not tune.search_fused(None, 1, 8)
     assert all(c.fused for c in tune.candidate_plan(1, 128, 4, fused=True))
     assert not any(c.fused for c in tune.candidate_plan(1, 128, 4))
