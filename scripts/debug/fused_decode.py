@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 
 import torch
+import triton
 
 from safemoe.bench.harness import time_graph
 from safemoe.configs import ExpertsConfig, get_config, load_device_configs, shape_key
@@ -42,12 +43,62 @@ def _variants(cfg: ExpertsConfig, names: list[str] | None = None) -> dict[str, E
         cfg.gemm1, num_warps=cfg.gemm2.num_warps, num_stages=cfg.gemm2.num_stages))
     for programs in (1, 2, 3):
         variants[f"fused_pps{programs}"] = dataclasses.replace(fused, programs_per_sm=programs)
+    # shallower pipelines (more programs an SM) and wider GEMM1 tiles for the fused launch
+    for stages in (2, 3, 4):
+        variants[f"fused_s{stages}"] = dataclasses.replace(fused, gemm1=dataclasses.replace(
+            cfg.gemm1, num_stages=stages))
+    variants["fused_n64"] = dataclasses.replace(fused, gemm1=dataclasses.replace(cfg.gemm1, block_n=64))
     if names:
+        for name in names:
+            if name.startswith("fused:"):
+                variants[name] = _fused_with(fused, name)
         variants = {"two": two, **{name: variants[name] for name in names if name in variants}}
     return variants
 
 
-def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[str] | None = None) -> dict:
+_OVERRIDES = {"g1n": ("gemm1", "block_n"), "g1k": ("gemm1", "block_k"), "g1s": ("gemm1", "num_stages"),
+              "g1w": ("gemm1", "num_warps"), "g2n": ("gemm2", "block_n"), "g2k": ("gemm2", "block_k")}
+
+
+def _fused_with(fused: ExpertsConfig, name: str) -> ExpertsConfig:
+    """A variant named "fused:g1n=64,g1s=4,pps=2": the fused config with those fields changed
+    (g1n/g1k/g1s/g1w: gemm1's block_n/block_k/num_stages/num_warps; g2n/g2k: gemm2's block_n/block_k;
+    pps: programs_per_sm)."""
+    cfg = fused
+    for item in name.split(":", 1)[1].split(","):
+        key, value = item.split("=")
+        if key == "pps":
+            cfg = dataclasses.replace(cfg, programs_per_sm=int(value))
+        else:
+            gemm, field = _OVERRIDES[key]
+            tiles = dataclasses.replace(getattr(cfg, gemm), **{field: int(value)})
+            cfg = dataclasses.replace(cfg, **{gemm: tiles})
+    return cfg
+
+
+def kernel_times(step, calls: int = 8) -> dict[str, float]:
+    """Mean device microseconds a call of each kernel `step(j)` launches (torch.profiler, eager)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for j in range(2):
+        step(j)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for j in range(calls):
+            step(j % VARIANTS_FOR_PROFILE)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total / calls
+    return {name[:40]: round(us, 1) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+VARIANTS_FOR_PROFILE = 8
+
+
+def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[str] | None = None,
+            profile_kernels: bool = False) -> dict:
     """Median layer us per variant at T = num_tokens, the table's entry restored after."""
     from ab_entry import VARIANTS, layer_step, shape_named  # scripts/debug, beside this file
 
@@ -61,15 +112,25 @@ def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[st
 
     variants = _variants(cfg, names)
     bits = {}
-    for side, variant in variants.items():
+    for side, variant in list(variants.items()):
         entries[num_tokens] = variant
-        bits[side] = step(0).view(torch.int16).clone()
+        try:
+            bits[side] = step(0).view(torch.int16).clone()
+        except triton.runtime.errors.OutOfResources as exc:  # a variant past the SM's shared memory
+            print(f"  {side}: {exc}", flush=True)
+            del variants[side]
     bitwise = {side: bool(torch.equal(b, bits["two"])) for side, b in bits.items()}
     times: dict[str, list[float]] = {side: [] for side in variants}
     for _ in range(rounds):
         for side, variant in variants.items():
             entries[num_tokens] = variant
             times[side].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
+    kernels = {}
+    if profile_kernels:
+        for side, variant in variants.items():
+            entries[num_tokens] = variant
+            kernels[side] = kernel_times(step)
+            print(f"  {side} kernels (us a call, eager): {kernels[side]}", flush=True)
     if had is None:
         del entries[num_tokens]
     else:
@@ -80,7 +141,7 @@ def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[st
         + f"; bitwise {bitwise}; rounds {({s: [round(t, 2) for t in v] for s, v in times.items()})}",
         flush=True)
     return {"shape": name, "T": num_tokens, "config": cfg.to_json(), "us": times, "median_us": med,
-            "bitwise_vs_two": bitwise}
+            "bitwise_vs_two": bitwise, "kernels_us": kernels}
 
 
 def main() -> None:
@@ -92,6 +153,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", help="buckets (default: 1 and few_slots_bucket(K))")
     parser.add_argument("--variants", nargs="+", help="of _variants' names (default: all)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", action="store_true", help="also each variant's kernels (torch.profiler)")
     args = parser.parse_args()
     device_name = torch.cuda.get_device_name(torch.device("cuda"))
     table = load_device_configs(device_name)  # cached: the edits in measure() apply
@@ -99,7 +161,7 @@ def main() -> None:
     for name in args.shapes:
         top_k = shape_named(name)[1]
         for num_tokens in args.tokens or sorted({1, few_slots_bucket(top_k)}):
-            results.append(measure(table, name, num_tokens, args.rounds, args.variants))
+            results.append(measure(table, name, num_tokens, args.rounds, args.variants, args.profile))
     if args.out:
         args.out.write_text(json.dumps({"device": device_name, "results": results}, indent=1) + "\n")
 
