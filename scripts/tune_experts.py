@@ -63,9 +63,10 @@ How it searches (per model shape and token bucket T):
 5. fused (after one_launch; skip with --no-fused): every bucket whose every call takes the
    few-slot path (T*K <= FEW_SLOTS) or, fused, would (T*K <= FUSED_SLOTS: then with 32-row tiles
    and no dispatch launch; H200 2026-12-02: Qwen3-Next T = 2 -15.8%, gpt-oss T = 8 +0.3 to +31%
-   with its tiles, Qwen3 / DeepSeek-V3 T = 4 +1.2 / +7.8%) is timed with GEMM1 and GEMM2 in two launches and in one
-   (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians compared: fused only
-   when faster by more than FUSED_MARGIN (`choose_fused`). It pays where GEMM1 runs several waves
+   with its tiles, Qwen3 / DeepSeek-V3 T = 4 +1.2 / +7.8%) is timed with GEMM1 and GEMM2 in two
+   launches and in one (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians
+   compared: fused only when faster by more than FUSED_MARGIN (`choose_fused`); --search-fused
+   times those buckets' tile candidates fused too (a fused incumbent always does). It pays where GEMM1 runs several waves
    of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26: gpt-oss and DeepSeek-V3
    T = 1 -1.5 to -3.4% in the layer) and costs where it does not (Qwen3 T = 1 +11-26%, Mixtral
    T = 1 +2-9%), so it is a per-bucket choice. --fused-only does this step alone for the device
@@ -313,6 +314,9 @@ PREFILL_G2: list[Tiles] = [
 # fewer re-reads of x), two-warp decode tiles and deeper pipelines. Environment, not an argument,
 # so the precompile worker processes see the same candidate lists.
 WIDE_ENV = "SAFEMOE_TUNE_WIDE"
+# --search-fused: every bucket that can run fused (T*K <= FUSED_SLOTS) has its candidates timed
+# fused whatever its incumbent (an env var, as WIDE_ENV, so the precompile workers plan the same)
+SEARCH_FUSED_ENV = "SAFEMOE_TUNE_SEARCH_FUSED"
 WIDE_DECODE_G1: list[Tiles] = [
     (32, 256, 4, 4), (64, 256, 4, 3), (16, 256, 2, 6), (32, 128, 2, 6), (128, 128, 4, 3),
 ]
@@ -1037,11 +1041,16 @@ def heuristic_tiles(name: str, num_tokens: int, quant: str | None) -> ExpertsCon
 
 
 def search_fused(incumbent: ExpertsConfig | None, num_tokens: int, top_k: int) -> bool:
-    """Whether a bucket's candidates are timed fused: it always takes the few-slot path and its
-    incumbent is fused, so the tiles are searched as the bucket runs (the fused launch has one
-    num_stages and occupancy for both GEMMs: its best tiles need not be the two launches'). The
+    """Whether a bucket's candidates are timed fused: it takes the few-slot path fused (T*K <=
+    FUSED_SLOTS) and its incumbent is fused, or --search-fused asks for it (SEARCH_FUSED_ENV), so
+    the tiles are searched as the bucket would run (the fused launch has one num_stages and
+    occupancy for both GEMMs: its best tiles need not be the two launches'; H200 2026-12-02:
+    gpt-oss T = 8 fused 31% slower with its entry's tiles, 1.8% faster with wider ones). The
     fused step after the search re-decides it for the winner."""
-    return incumbent is not None and incumbent.fused and num_tokens * top_k <= FUSED_SLOTS
+    if top_k > FEW_SLOTS or num_tokens * top_k > FUSED_SLOTS:
+        return False
+    asked = os.environ.get(SEARCH_FUSED_ENV) == "1"
+    return asked or (incumbent is not None and incumbent.fused)
 
 
 def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[ExpertsConfig, float] | None:
@@ -1803,6 +1812,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-fused", action="store_true",
                         help="do not time fused (few-slot winners get fused off)")
+    parser.add_argument("--search-fused", action="store_true",
+                        help="time the candidates of buckets of up to 32 slots fused, whatever their "
+                             "incumbent")
     parser.add_argument("--interleave-only", action="store_true",
                         help="decide GEMM1's interleave for the device table's prefill entries (--tokens: "
                         "those buckets), other fields kept")
@@ -1845,6 +1857,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--missing picks the buckets a search tunes; the *-only runs re-decide existing entries")
     if args.interleave_only and args.quant == "block":
         parser.error("--interleave-only: fp8 block mode runs GEMM1 without interleave (bf16 and per_tensor)")
+    if args.search_fused and (args.no_fused or args.quant or any(only)):
+        parser.error("--search-fused searches tiles fused in a bf16 tune that decides fused")
     names = [n for n in args.shapes.split(",") if n]
     unknown = [n for n in names if n not in SHAPES]
     if unknown or not names:
@@ -1854,6 +1868,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.wide:
         os.environ[WIDE_ENV] = "1"  # before the precompile workers start
+    if args.search_fused:
+        os.environ[SEARCH_FUSED_ENV] = "1"
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one_launch_only:

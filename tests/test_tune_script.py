@@ -375,6 +375,15 @@ def test_one_launch_flags_exclude_each_other(tmp_path):
         tune.main(["--out", str(tmp_path), "--one-launch-only", "--no-one-launch"])
 
 
+def test_search_fused_only_in_a_tune_that_decides_fused(tmp_path, capsys):
+    """--search-fused times candidates fused: refused with --no-fused, --quant or an *-only run."""
+    tune = _load()
+    for extra in (["--no-fused"], ["--quant", "block"], ["--fused-only"]):
+        with pytest.raises(SystemExit):
+            tune.main(["--out", str(tmp_path), "--search-fused", *extra])
+        assert "--search-fused searches tiles fused" in capsys.readouterr().err
+
+
 def test_unknown_shapes_are_refused_before_anything_runs(tmp_path, capsys):
     tune = _load()
     for shapes in ("qwen4", "qwen3,nope", ","):
@@ -1316,6 +1325,11 @@ def test_a_fused_incumbent_has_its_candidates_searched_fused(monkeypatch):
     assert tune.search_fused(fused_incumbent, 1, 8) and tune.search_fused(fused_incumbent, 2, 8)
     assert tune.search_fused(fused_incumbent, 4, 8), "T*K <= 32: fused with 32-row tiles"
     assert not tune.search_fused(fused_incumbent, 8, 8), "T*K > 32: never fused"
+    assert not tune.search_fused(fused_incumbent, 1, 17), "K > 16: no few-slot path"
+    monkeypatch.setenv(tune.SEARCH_FUSED_ENV, "1")  # --search-fused
+    assert tune.search_fused(_cfg(16), 4, 8) and tune.search_fused(None, 8, 4)
+    assert not tune.search_fused(_cfg(16), 8, 8), "--search-fused: still T*K <= 32 only"
+    monkeypatch.delenv(tune.SEARCH_FUSED_ENV)
     assert not tune.search_fused(_cfg(16), 1, 8) and not tune.search_fused(None, 1, 8)
     assert all(c.fused for c in tune.candidate_plan(1, 128, 4, fused=True))
     assert not any(c.fused for c in tune.candidate_plan(1, 128, 4))
