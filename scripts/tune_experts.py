@@ -66,9 +66,9 @@ How it searches (per model shape and token bucket T):
    with its tiles, Qwen3 / DeepSeek-V3 T = 4 +1.2 / +7.8%) is timed with GEMM1 and GEMM2 in two
    launches and in one (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians
    compared: fused only when faster by more than FUSED_MARGIN (`choose_fused`); --search-fused
-   times those buckets' tile candidates fused too (a fused incumbent always does). It pays where GEMM1 runs several waves
-   of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26: gpt-oss and DeepSeek-V3
-   T = 1 -1.5 to -3.4% in the layer) and costs where it does not (Qwen3 T = 1 +11-26%, Mixtral
+   times those buckets' tile candidates fused too (a fused incumbent always does). It pays where
+   GEMM1 runs several waves of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26:
+   gpt-oss and DeepSeek-V3 T = 1 -1.5 to -3.4% in the layer) and costs where it does not (Qwen3 T = 1 +11-26%, Mixtral
    T = 1 +2-9%), so it is a per-bucket choice. --fused-only does this step alone for the device
    table's entries (tiles kept).
 5b. interleave (--interleave-only, for the device table's bf16 entries of INTERLEAVE_MIN_TOKENS
