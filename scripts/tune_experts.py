@@ -60,17 +60,17 @@ How it searches (per model shape and token bucket T):
    --one-launch-only does this step alone for the entries already in the device table (tiles
    kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning; an entry
    whose one_launch was set by hand carries `one_launch_pinned` (the reason) and is kept.
-5. fused (after one_launch; skip with --no-fused): every bucket whose every call takes the
-   few-slot path (T*K <= FEW_SLOTS) or, fused, would (T*K <= FUSED_SLOTS: then with 32-row tiles
-   and no dispatch launch; H200 2026-12-02: Qwen3-Next T = 2 -15.8%, gpt-oss T = 8 +0.3 to +31%
-   with its tiles, Qwen3 / DeepSeek-V3 T = 4 +1.2 / +7.8%) is timed with GEMM1 and GEMM2 in two
-   launches and in one (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians
-   compared: fused only when faster by more than FUSED_MARGIN (`choose_fused`); --search-fused
-   times those buckets' tile candidates fused too (a fused incumbent always does). It pays where
-   GEMM1 runs several waves of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26:
-   gpt-oss and DeepSeek-V3 T = 1 -1.5 to -3.4% in the layer) and costs where it does not (Qwen3 T = 1 +11-26%, Mixtral
-   T = 1 +2-9%), so it is a per-bucket choice. --fused-only does this step alone for the device
-   table's entries (tiles kept).
+5. fused (after one_launch; skip with --no-fused): every bucket whose every call takes the few-slot
+   path (T*K <= FEW_SLOTS) or, fused, would (T*K <= FUSED_SLOTS: then with 32-row tiles and no
+   dispatch launch; H200 2026-12-02: Qwen3-Next T = 2 -15.8%, gpt-oss T = 8 +0.3 to +31% with its
+   tiles, Qwen3 / DeepSeek-V3 T = 4 +1.2 / +7.8%) is timed with GEMM1 and GEMM2 in two launches and
+   in one (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians compared: fused
+   only when faster by more than FUSED_MARGIN (`choose_fused`); --search-fused times those buckets'
+   tile candidates fused too (a fused incumbent always does). It pays where GEMM1 runs several
+   waves of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26: gpt-oss and
+   DeepSeek-V3 T = 1 -1.5 to -3.4% in the layer) and costs where it does not (Qwen3 T = 1 +11-26%,
+   Mixtral T = 1 +2-9%), so it is a per-bucket choice. --fused-only does this step alone for the
+   device table's entries (tiles kept).
 5b. interleave (--interleave-only, for the device table's bf16 entries of INTERLEAVE_MIN_TOKENS
    tokens and more, or the buckets --tokens names): GEMM1's gate and up rows as one weight tile
    and one MMA a K step (`GemmTiles.interleave`; weights through pointers and through TMA), each
