@@ -86,6 +86,13 @@ FEW_SLOTS = 16
 # starting as its GEMM1 tiles finish): the decode buckets above 16 slots whose GEMM1 runs several
 # waves, where the fused launch paid at 16 slots (gpt-oss T = 4: -5.1% on an H200).
 FUSED_SLOTS = 32
+# An A/B switch (off: as measured in the twenty-fourth session): with it on, that launch packs each
+# expert's slots into FEW_SLOTS-row tiles (`_few_groups`) instead of FUSED_SLOTS-row tiles whose
+# rows are every slot number, most of them masked. The 32-row tiles cost the launch shared memory
+# and MMA rows for nothing (gpt-oss T = 8 fused: +31% with the entry's 32-column GEMM1 tiles on an
+# H200; a CPU compile for sm_90 put 123 KB against 102 KB for 16-row tiles, one program an SM
+# instead of two). Not yet timed on a GPU; tested both ways.
+PACK_FUSED_ROWS = False
 # A shape without a tuned table compiles lighter few-slot tiles into its 64-row buckets' launches
 # (`light_few_tiles`: K steps of at most 128, 4 stages) than its decode bucket runs (256-wide K
 # steps): with the decode bucket's tiles compiled in, a path the full batch never takes cost it
@@ -271,6 +278,42 @@ def _few_slots(raw_ids, valid_slots, num_experts, FEW: tl.constexpr):
     rank = tl.where(leader, tl.cumsum(leader.to(tl.int32), 0) - 1, -1)
     dropped = tl.sum((in_rows & ~served).to(tl.int64), 0)
     return slot, expert, rank, tl.sum(leader.to(tl.int32), 0), dropped
+
+
+@triton.jit
+def _few_groups(raw_ids, valid_slots, num_experts, FEW: tl.constexpr, ROWS: tl.constexpr):
+    """The few-slot layout packed into ROWS-row tiles (PACK_FUSED_ROWS): (slot [FEW], its expert or
+    -1 when not served, its position among its expert's served slots, its rank among the group
+    leaders or -1, number of groups, dropped slots). A group is ROWS consecutive served slots of one
+    expert (positions g * ROWS ..), its leader the first of them: one tile a group, so an expert
+    with more than ROWS slots in a batch (duplicate ids) has several."""
+    slot = tl.arange(0, FEW)
+    in_rows = slot < valid_slots
+    expert = tl.where(in_rows, raw_ids, -1)
+    served = in_rows & (expert >= 0) & (expert < num_experts)
+    expert = tl.where(served, expert, -1)
+    earlier_same = (expert[:, None] == expert[None, :]) & (slot[None, :] < slot[:, None])
+    position = tl.sum(earlier_same.to(tl.int32), 1)
+    leader = served & (position % ROWS == 0)
+    rank = tl.where(leader, tl.cumsum(leader.to(tl.int32), 0) - 1, -1)
+    dropped = tl.sum((in_rows & ~served).to(tl.int64), 0)
+    return slot, expert, position, rank, tl.sum(leader.to(tl.int32), 0), dropped
+
+
+@triton.jit
+def _few_group_rows(tile, num_n_blocks, slot, expert, position, rank, ROWS: tl.constexpr):
+    """(n_block, expert, rows, slots) of a packed few-slot tile (`_few_groups`): row r holds the
+    group's r-th slot (rows: its slot number, the intermediate's row; slots: the same or -1 past the
+    group's last slot)."""
+    group = tile // num_n_blocks
+    is_leader = rank == group
+    tile_expert = tl.sum(tl.where(is_leader, expert, 0), 0)
+    first = tl.sum(tl.where(is_leader, position, 0), 0)
+    row = tl.arange(0, ROWS)
+    match = (expert[None, :] == tile_expert) & (position[None, :] == first + row[:, None])  # [ROWS, FEW]
+    found = tl.sum(match.to(tl.int32), 1) > 0
+    row_slot = tl.sum(tl.where(match, slot[None, :], 0), 1)
+    return tile % num_n_blocks, tile_expert, row_slot, tl.where(found, row_slot, -1)
 
 
 @triton.jit
@@ -929,6 +972,7 @@ def _few_gemms_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, EVEN_K2: tl.constexpr, USE_TMA2: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr, IDS_COMPLETE: tl.constexpr, HAS_HEALTH: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, ONLY: tl.constexpr = True,
+    ROWS: tl.constexpr = 0,
 ):
     """GEMM1 and GEMM2 of the few-slot path in one launch (a bucket whose every batch has at most
     FEW valid slots, or with ONLY False a larger bucket's batch that has: a batch with more valid
@@ -941,12 +985,22 @@ def _few_gemms_kernel(
     No deadlock whatever the grid or residency: tiles are claimed in order, so the GEMM1 tiles a
     waiting program needs were claimed earlier by programs that are running and never wait (a
     program claims its next tile before working on its current one, and holds an unstarted GEMM1
-    tile only while it works on a GEMM1 tile). The last program out zeroes the counters."""
+    tile only while it works on a GEMM1 tile). The last program out zeroes the counters. ROWS
+    (PACK_FUSED_ROWS, a divisor of FEW): tiles of ROWS rows, each expert's slots packed into them
+    (`_few_groups`; a leader is then a group's), instead of FEW-row tiles of every slot number.
+    Either way a row's result does not depend on the other rows of its tile."""
     wait_for_previous_kernel(USE_PDL)
     raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
                                          HAS_NUM_VALID_PTR, IDS_COMPLETE)
     if ONLY or valid_slots <= FEW:  # the same on every program: all run the counters or none
-        slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
+        if ROWS > 0:
+            slot, expert, position, rank, leaders, dropped = _few_groups(
+                raw_ids, valid_slots, num_experts, FEW, ROWS)
+            TILE_M: tl.constexpr = ROWS
+        else:
+            slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
+            position = slot
+            TILE_M: tl.constexpr = FEW
         if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
             if tl.program_id(0) == 0:
                 tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
@@ -961,11 +1015,15 @@ def _few_gemms_kernel(
         while tile < all_tiles:
             next_tile = tl.atomic_add(claimed, 1, sem="relaxed")
             if tile < gemm1_tiles:
-                n_block, tile_expert, rows, slots = _few_tile_rows(tile, n1_blocks, slot, expert, rank)
+                if ROWS > 0:
+                    n_block, tile_expert, rows, slots = _few_group_rows(
+                        tile, n1_blocks, slot, expert, position, rank, ROWS)
+                else:
+                    n_block, tile_expert, rows, slots = _few_tile_rows(tile, n1_blocks, slot, expert, rank)
                 _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_ptr, x_ptr, inter_ptr,
                             inter_ptr, hidden, inter, w13_expert_stride, up_offset, 0, 0, 0, 0, 0, TOP_K,
-                            ACTIVATION, 0, UPCAST, FEW, BLOCK_N1, BLOCK_K1, EVEN_K1, DOT_PRECISION, USE_TMA1,
-                            False)
+                            ACTIVATION, 0, UPCAST, TILE_M, BLOCK_N1, BLOCK_K1, EVEN_K1, DOT_PRECISION,
+                            USE_TMA1, False)
                 # every thread's stores before the release (as dispatch's ticket)
                 tl.debug_barrier()
                 tl.atomic_add(ready + tile // n1_blocks, 1, sem="release")
@@ -973,10 +1031,15 @@ def _few_gemms_kernel(
                 gemm2_tile = tile - gemm1_tiles
                 while tl.atomic_add(ready + gemm2_tile // n2_blocks, 0, sem="acquire") < n1_blocks:
                     pass
-                n_block, tile_expert, rows, slots = _few_tile_rows(gemm2_tile, n2_blocks, slot, expert, rank)
+                if ROWS > 0:
+                    n_block, tile_expert, rows, slots = _few_group_rows(
+                        gemm2_tile, n2_blocks, slot, expert, position, rank, ROWS)
+                else:
+                    n_block, tile_expert, rows, slots = _few_tile_rows(gemm2_tile, n2_blocks, slot, expert,
+                                                                       rank)
                 _gemm2_tile(inter_ptr, w2_arg, weights_ptr, n_block, tile_expert, rows, slots, inter_ptr,
-                            x_ptr, y_ptr, hidden, inter, w2_expert_stride, 0, 0, 0, 0, UPCAST, FEW, BLOCK_N2,
-                            BLOCK_K2, EVEN_K2, DOT_PRECISION, USE_TMA2, False)
+                            x_ptr, y_ptr, hidden, inter, w2_expert_stride, 0, 0, 0, 0, UPCAST, TILE_M,
+                            BLOCK_N2, BLOCK_K2, EVEN_K2, DOT_PRECISION, USE_TMA2, False)
             tile = next_tile
         if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             # every other program has made its last claim and finished its last tile
@@ -1327,6 +1390,7 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         HAS_NUM_VALID_PTR=args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=args["IDS_COMPLETE"],
         HAS_HEALTH=few.health is not None,
         DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=use_pdl, ONLY=few.only,
+        ROWS=FEW_SLOTS if PACK_FUSED_ROWS and rows > FEW_SLOTS else 0,
         num_warps=tiles1.num_warps, num_stages=tiles1.num_stages, **launch_options(use_pdl),
     )
 
