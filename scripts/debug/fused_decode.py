@@ -8,7 +8,10 @@ For every shape and every bucket whose calls all take the few-slot path (T = 1 a
 device tensor, CUDA-graph replay over 8 seeded routings) with the device table's entry as it is
 ("two": GEMM1 and GEMM2 in two launches) and with `fused` on in a few variants (`_variants`),
 alternating for --rounds rounds; prints each variant's median, and checks the fused
-outputs bitwise against the two launches'. A measurement script, not a test.
+outputs bitwise against the two launches'. --variants also takes "fused:g1n=64,g2n=128,..."
+(`_fused_with`) and any variant with "+pack" appended (kernels/experts.py PACK_FUSED_ROWS on for
+it: a fused bucket of up to 32 slots packs each expert's slots into 16-row tiles). A measurement
+script, not a test.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ def _variants(cfg: ExpertsConfig, names: list[str] | None = None) -> dict[str, E
     if names:
         for name in names:
             if name.startswith("fused:"):
-                variants[name] = _fused_with(fused, name)
+                variants[name] = _fused_with(fused, name.removesuffix("+pack"))
+            elif name.endswith("+pack") and name.removesuffix("+pack") in variants:
+                variants[name] = variants[name.removesuffix("+pack")]
         variants = {"two": two, **{name: variants[name] for name in names if name in variants}}
     return variants
 
@@ -97,6 +102,15 @@ def kernel_times(step, calls: int = 8) -> dict[str, float]:
 VARIANTS_FOR_PROFILE = 8
 
 
+def _use(entries: dict, num_tokens: int, side: str, variant: ExpertsConfig) -> None:
+    """Serve T with `variant`; a side named "...+pack" runs with kernels/experts.py PACK_FUSED_ROWS
+    on (each expert's slots packed into 16-row tiles in a fused bucket of up to 32 slots)."""
+    import safemoe.kernels.experts as experts_module
+
+    entries[num_tokens] = variant
+    experts_module.PACK_FUSED_ROWS = side.endswith("+pack")
+
+
 def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[str] | None = None,
             profile_kernels: bool = False) -> dict:
     """Median layer us per variant at T = num_tokens, the table's entry restored after."""
@@ -113,7 +127,7 @@ def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[st
     variants = _variants(cfg, names)
     bits = {}
     for side, variant in list(variants.items()):
-        entries[num_tokens] = variant
+        _use(entries, num_tokens, side, variant)
         try:
             bits[side] = step(0).view(torch.int16).clone()
         except triton.runtime.errors.OutOfResources as exc:  # a variant past the SM's shared memory
@@ -123,14 +137,15 @@ def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[st
     times: dict[str, list[float]] = {side: [] for side in variants}
     for _ in range(rounds):
         for side, variant in variants.items():
-            entries[num_tokens] = variant
+            _use(entries, num_tokens, side, variant)
             times[side].append(time_graph(step, n_variants=VARIANTS, calls_per_graph=10, replays=20))
     kernels = {}
     if profile_kernels:
         for side, variant in variants.items():
-            entries[num_tokens] = variant
+            _use(entries, num_tokens, side, variant)
             kernels[side] = kernel_times(step)
             print(f"  {side} kernels (us a call, eager): {kernels[side]}", flush=True)
+    _use(entries, num_tokens, "", cfg)
     if had is None:
         del entries[num_tokens]
     else:
