@@ -1090,31 +1090,36 @@ def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyP
     assert not calls
 
 
+_UP_TO_32_SLOTS = [(8, 4, False), (3, 8, False), (16, 2, False), (5, 5, False), (5, 5, True)]
+_WIDE_FUSED_CASES = [(num_tokens, top_k, crowded, packed) for packed in (False, True)
+                     for num_tokens, top_k, crowded in _UP_TO_32_SLOTS]
+# 33..64 slots: only with the packed tiles
+_WIDE_FUSED_CASES += [(8, 8, False, True), (12, 5, True, True)]
+
+
 @pytest.mark.memcheck
-@pytest.mark.parametrize("packed", [False, True], ids=["32-row", "packed"])
-@pytest.mark.parametrize("num_tokens,top_k,crowded",
-                         [(8, 4, False), (3, 8, False), (16, 2, False), (5, 5, False), (5, 5, True)])
-def test_fused_bucket_of_up_to_32_slots(device: str, num_tokens: int, top_k: int, crowded: bool, packed: bool,
+@pytest.mark.parametrize("num_tokens,top_k,crowded,packed", _WIDE_FUSED_CASES)
+def test_fused_bucket_of_up_to_64_slots(device: str, num_tokens: int, top_k: int, crowded: bool, packed: bool,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A `fused` bucket of 16 < T*K <= FUSED_SLOTS (32) slots with its own tiles as few-slot tiles
-    runs every batch as the fused launch, with 32-row tiles or (PACK_FUSED_ROWS) each expert's slots
-    packed into 16-row tiles: no dispatch launch, for every num_valid 0..T (a device tensor),
-    garbage ids (duplicates served, -1, >= E, stale: dropped and counted once; `crowded`: most
-    slots on one expert, more than a 16-row tile holds), NaN padding rows, poisoned outputs and
-    a workspace whose intermediate and y are poisoned before every call:
-    equal to the reference and to the same bucket unfused (dispatch layout, same tiles) within its
-    tolerance, padded rows exact zeros, counters zero again after every call (one workspace), the
-    same bits run to run."""
+    """A `fused` bucket of 16 < T*K <= fused_slots() (32; 64 with PACK_FUSED_ROWS) slots with its
+    own tiles as few-slot tiles runs every batch as the fused launch, with 32-row tiles or
+    (PACK_FUSED_ROWS) each expert's slots packed into 16-row tiles: no dispatch launch. For every
+    num_valid 0..T (a device tensor), garbage ids (duplicates served, -1, >= E, stale: dropped and
+    counted once; `crowded`: most slots on one expert, more than a 16-row tile holds), NaN padding
+    rows, poisoned outputs and a workspace whose intermediate and y are poisoned before every
+    call: equal to the reference and to the same bucket unfused (dispatch layout, same tiles)
+    within its tolerance, padded rows exact zeros, counters zero again after every call (one
+    workspace), the same bits run to run."""
     import dataclasses
 
     import safemoe.kernels.experts as experts_module
-    from safemoe.kernels.experts import FEW_SLOTS, FUSED_SLOTS
+    from safemoe.kernels.experts import FEW_SLOTS, fused_slots
 
-    assert FEW_SLOTS < num_tokens * top_k <= FUSED_SLOTS
     monkeypatch.setattr(experts_module, "PACK_FUSED_ROWS", packed)
+    assert FEW_SLOTS < num_tokens * top_k <= fused_slots()
     calls = _spy_fused_launches(monkeypatch)
     inputs = _few_slot_inputs(device, num_tokens, top_k, seed=num_tokens * 10 + top_k + 7)
-    if crowded:  # 21 of the 25 slots on expert 2 (duplicates in a row are each served)
+    if crowded:  # most slots on expert 2 (duplicates in a row are each served): 21 of the first 25
         ids = torch.full((num_tokens, top_k), 2, dtype=torch.int32)
         ids[0, 1], ids[1, 3], ids[3, 0], ids[4, 4] = -1, 7, 0, 5
         inputs = inputs._replace(ids=ids.to(device))

@@ -33,9 +33,9 @@ from safemoe.configs import MAX_BLOCK_M
 from safemoe.numerics import FP8_BLOCK, FP8_DTYPE
 
 _INDEX_DTYPE = torch.int32
-# few_sync: tile claim counter, exit counter, and a readiness counter per expert of the fused
-# few-slot launch (at most 32 experts: kernels/experts.py FUSED_SLOTS), with room to spare.
-SYNC_ELEMS = 64
+# few_sync: tile claim counter, exit counter, and a readiness counter per leader of the fused
+# few-slot launch (at most 64: kernels/experts.py PACKED_FUSED_SLOTS), with room to spare.
+SYNC_ELEMS = 128
 
 
 def num_bins(num_experts: int) -> int:

@@ -66,6 +66,7 @@ from safemoe.kernels.launch import (
     hopper_or_newer,
     launch_options,
     load_num_valid,
+    next_power_of_2,
     pdl_usable,
     persistent_grid,
     rowwise_product,
@@ -86,6 +87,8 @@ FEW_SLOTS = 16
 # starting as its GEMM1 tiles finish): the decode buckets above 16 slots whose GEMM1 runs several
 # waves, where the fused launch paid at 16 slots (gpt-oss T = 4: -5.1% on an H200).
 FUSED_SLOTS = 32
+# ... and up to this many with PACK_FUSED_ROWS (below): 16-row tiles whatever the slots
+PACKED_FUSED_SLOTS = 64
 # An A/B switch (off: as measured in the twenty-fourth session): with it on, that launch packs each
 # expert's slots into FEW_SLOTS-row tiles (`_few_groups`) instead of FUSED_SLOTS-row tiles whose
 # rows are every slot number, most of them masked. The 32-row tiles cost the launch shared memory
@@ -93,6 +96,12 @@ FUSED_SLOTS = 32
 # H200; a CPU compile for sm_90 put 123 KB against 102 KB for 16-row tiles, one program an SM
 # instead of two). Not yet timed on a GPU; tested both ways.
 PACK_FUSED_ROWS = False
+
+
+def fused_slots() -> int:
+    """The most slots (T*K) of a bucket that can run every batch as the fused few-slot launch:
+    FUSED_SLOTS, or PACKED_FUSED_SLOTS with PACK_FUSED_ROWS (read at call time: an A/B switch)."""
+    return PACKED_FUSED_SLOTS if PACK_FUSED_ROWS else FUSED_SLOTS
 # A shape without a tuned table compiles lighter few-slot tiles into its 64-row buckets' launches
 # (`light_few_tiles`: K steps of at most 128, 4 stages) than its decode bucket runs (256-wide K
 # steps): with the decode bucket's tiles compiled in, a path the full batch never takes cost it
@@ -989,6 +998,7 @@ def _few_gemms_kernel(
     (PACK_FUSED_ROWS, a divisor of FEW): tiles of ROWS rows, each expert's slots packed into them
     (`_few_groups`; a leader is then a group's), instead of FEW-row tiles of every slot number.
     Either way a row's result does not depend on the other rows of its tile."""
+    TILE_M: tl.constexpr = ROWS if ROWS > 0 else FEW
     wait_for_previous_kernel(USE_PDL)
     raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
                                          HAS_NUM_VALID_PTR, IDS_COMPLETE)
@@ -996,11 +1006,9 @@ def _few_gemms_kernel(
         if ROWS > 0:
             slot, expert, position, rank, leaders, dropped = _few_groups(
                 raw_ids, valid_slots, num_experts, FEW, ROWS)
-            TILE_M: tl.constexpr = ROWS
         else:
             slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
             position = slot
-            TILE_M: tl.constexpr = FEW
         if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
             if tl.program_id(0) == 0:
                 tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
@@ -1151,7 +1159,7 @@ class FewSlots:
     """The few-slot path of one call: the tiles its GEMMs run (`config`'s gemm1/gemm2; its block_m
     is `rows()` whatever the config says), what its programs read to build the layout (ids,
     num_valid, and health for the slots they drop), and `only`: every call takes it, T*K <=
-    FEW_SLOTS or a fused bucket of T*K <= FUSED_SLOTS (no dispatch launch; the GEMMs are compiled
+    FEW_SLOTS or a fused bucket of T*K <= fused_slots() (no dispatch launch; the GEMMs are compiled
     with this path alone)."""
 
     config: ExpertsConfig
@@ -1162,9 +1170,10 @@ class FewSlots:
     ids_complete: bool = False
 
     def rows(self) -> int:
-        """The path's tile rows (and the most slots it serves): FUSED_SLOTS in a fused bucket of
-        more than FEW_SLOTS slots, else FEW_SLOTS."""
-        return FUSED_SLOTS if self.only and self.ids.numel() > FEW_SLOTS else FEW_SLOTS
+        """The most slots the path serves (its FEW; its tiles' rows unless packed): T*K to the next
+        power of two in a fused bucket of more than FEW_SLOTS slots, else FEW_SLOTS."""
+        slots = self.ids.numel()
+        return next_power_of_2(slots) if self.only and slots > FEW_SLOTS else FEW_SLOTS
 
     def kernel_args(self) -> dict[str, object]:
         has_nv_ptr = self.num_valid.tensor is not None
@@ -1452,7 +1461,7 @@ def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Call
     scripts/heuristic_eval.py to the rules it times."""
     if top_k > FEW_SLOTS or not cfg.few:
         return None
-    if num_tokens * top_k <= (FUSED_SLOTS if cfg.fused else FEW_SLOTS):
+    if num_tokens * top_k <= (fused_slots() if cfg.fused else FEW_SLOTS):
         return cfg
     few = source()
     if not few.few:
@@ -1616,7 +1625,7 @@ def experts_triton(
         # a fused bucket of up to FUSED_SLOTS slots with its own tiles as few_config: every batch
         # takes the fused launch with FUSED_SLOTS-row tiles
         only = num_tokens * top_k <= FEW_SLOTS or (
-            num_tokens * top_k <= FUSED_SLOTS and few_config.fused and few_config == config)
+            num_tokens * top_k <= fused_slots() and few_config.fused and few_config == config)
         few = FewSlots(few_config, ids, num_valid, health, only, ids_complete)
         if only:
             # Every call takes the few-slot path: its tiles alone, no dispatch, no small tiles.
