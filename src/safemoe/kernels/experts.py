@@ -981,7 +981,7 @@ def _few_gemms_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, EVEN_K2: tl.constexpr, USE_TMA2: tl.constexpr,
     HAS_NUM_VALID_PTR: tl.constexpr, IDS_COMPLETE: tl.constexpr, HAS_HEALTH: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, ONLY: tl.constexpr = True,
-    ROWS: tl.constexpr = 0,
+    PACKED: tl.constexpr = False, TILE_M: tl.constexpr = 16,
 ):
     """GEMM1 and GEMM2 of the few-slot path in one launch (a bucket whose every batch has at most
     FEW valid slots, or with ONLY False a larger bucket's batch that has: a batch with more valid
@@ -994,18 +994,17 @@ def _few_gemms_kernel(
     No deadlock whatever the grid or residency: tiles are claimed in order, so the GEMM1 tiles a
     waiting program needs were claimed earlier by programs that are running and never wait (a
     program claims its next tile before working on its current one, and holds an unstarted GEMM1
-    tile only while it works on a GEMM1 tile). The last program out zeroes the counters. ROWS
-    (PACK_FUSED_ROWS, a divisor of FEW): tiles of ROWS rows, each expert's slots packed into them
-    (`_few_groups`; a leader is then a group's), instead of FEW-row tiles of every slot number.
-    Either way a row's result does not depend on the other rows of its tile."""
-    TILE_M: tl.constexpr = ROWS if ROWS > 0 else FEW
+    tile only while it works on a GEMM1 tile). The last program out zeroes the counters. TILE_M:
+    the tiles' rows, FEW (every slot number a row) or, PACKED (PACK_FUSED_ROWS), a divisor of FEW
+    into which each expert's slots are packed (`_few_groups`; a leader is then a group's). Either
+    way a row's result does not depend on the other rows of its tile."""
     wait_for_previous_kernel(USE_PDL)
     raw_ids, valid_slots = _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K, FEW,
                                          HAS_NUM_VALID_PTR, IDS_COMPLETE)
     if ONLY or valid_slots <= FEW:  # the same on every program: all run the counters or none
-        if ROWS > 0:
+        if PACKED:
             slot, expert, position, rank, leaders, dropped = _few_groups(
-                raw_ids, valid_slots, num_experts, FEW, ROWS)
+                raw_ids, valid_slots, num_experts, FEW, TILE_M)
         else:
             slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
             position = slot
@@ -1023,9 +1022,9 @@ def _few_gemms_kernel(
         while tile < all_tiles:
             next_tile = tl.atomic_add(claimed, 1, sem="relaxed")
             if tile < gemm1_tiles:
-                if ROWS > 0:
+                if PACKED:
                     n_block, tile_expert, rows, slots = _few_group_rows(
-                        tile, n1_blocks, slot, expert, position, rank, ROWS)
+                        tile, n1_blocks, slot, expert, position, rank, TILE_M)
                 else:
                     n_block, tile_expert, rows, slots = _few_tile_rows(tile, n1_blocks, slot, expert, rank)
                 _gemm1_tile(x_ptr, w13_arg, n_block, tile_expert, rows, slots, x_ptr, x_ptr, inter_ptr,
@@ -1039,9 +1038,9 @@ def _few_gemms_kernel(
                 gemm2_tile = tile - gemm1_tiles
                 while tl.atomic_add(ready + gemm2_tile // n2_blocks, 0, sem="acquire") < n1_blocks:
                     pass
-                if ROWS > 0:
+                if PACKED:
                     n_block, tile_expert, rows, slots = _few_group_rows(
-                        gemm2_tile, n2_blocks, slot, expert, position, rank, ROWS)
+                        gemm2_tile, n2_blocks, slot, expert, position, rank, TILE_M)
                 else:
                     n_block, tile_expert, rows, slots = _few_tile_rows(gemm2_tile, n2_blocks, slot, expert,
                                                                        rank)
@@ -1378,6 +1377,7 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     top_k = few.ids.shape[1]
     tiles1, tiles2 = few.config.gemm1, few.config.gemm2
     rows = few.rows()
+    packed = PACK_FUSED_ROWS and rows > FEW_SLOTS
     if views.few_sync.numel() < 2 + rows:
         raise ValueError(f"workspace few_sync holds {views.few_sync.numel()} counters, the fused few-slot "
                          f"launch needs {2 + rows}")
@@ -1399,7 +1399,7 @@ def few_gemms_into(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         HAS_NUM_VALID_PTR=args["HAS_NUM_VALID_PTR"], IDS_COMPLETE=args["IDS_COMPLETE"],
         HAS_HEALTH=few.health is not None,
         DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=use_pdl, ONLY=few.only,
-        ROWS=FEW_SLOTS if PACK_FUSED_ROWS and rows > FEW_SLOTS else 0,
+        PACKED=packed, TILE_M=FEW_SLOTS if packed else rows,
         num_warps=tiles1.num_warps, num_stages=tiles1.num_stages, **launch_options(use_pdl),
     )
 
