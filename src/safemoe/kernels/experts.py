@@ -271,22 +271,36 @@ def _load_few_ids(ids_ptr, num_valid_ptr, num_valid_count, num_tokens, TOP_K: tl
 
 
 @triton.jit
-def _few_slots(raw_ids, valid_slots, num_experts, FEW: tl.constexpr):
-    """The few-slot layout, built in registers by every GEMM program from the ids themselves
-    (`raw_ids`, from _load_few_ids): (slot [FEW], its expert or -1 when the slot is not served, its
-    rank among the leaders or -1, number of leaders, dropped slots). A leader is the first served
-    slot of its expert: each tile of the few-slot path is one leader's expert, whose rows are all
-    the slots routed to it."""
+def _served_positions(raw_ids, valid_slots, num_experts, FEW: tl.constexpr):
+    """(slot [FEW], whether it is a row of the batch, its expert or -1 when it is not served,
+    whether it is served, its position among its expert's served slots) from the ids themselves."""
     slot = tl.arange(0, FEW)
     in_rows = slot < valid_slots
     expert = tl.where(in_rows, raw_ids, -1)
     served = in_rows & (expert >= 0) & (expert < num_experts)
     expert = tl.where(served, expert, -1)
     earlier_same = (expert[:, None] == expert[None, :]) & (slot[None, :] < slot[:, None])
-    leader = served & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
+    return slot, in_rows, expert, served, tl.sum(earlier_same.to(tl.int32), 1)
+
+
+@triton.jit
+def _ranked(leader, in_rows, served):
+    """(each leader's rank or -1, number of leaders, dropped slots)."""
     rank = tl.where(leader, tl.cumsum(leader.to(tl.int32), 0) - 1, -1)
     dropped = tl.sum((in_rows & ~served).to(tl.int64), 0)
-    return slot, expert, rank, tl.sum(leader.to(tl.int32), 0), dropped
+    return rank, tl.sum(leader.to(tl.int32), 0), dropped
+
+
+@triton.jit
+def _few_slots(raw_ids, valid_slots, num_experts, FEW: tl.constexpr):
+    """The few-slot layout, built in registers by every GEMM program from the ids themselves
+    (`raw_ids`, from _load_few_ids): (slot [FEW], its expert or -1 when the slot is not served, its
+    rank among the leaders or -1, number of leaders, dropped slots). A leader is the first served
+    slot of its expert: each tile of the few-slot path is one leader's expert, whose rows are all
+    the slots routed to it."""
+    slot, in_rows, expert, served, position = _served_positions(raw_ids, valid_slots, num_experts, FEW)
+    rank, leaders, dropped = _ranked(served & (position == 0), in_rows, served)
+    return slot, expert, rank, leaders, dropped
 
 
 @triton.jit
@@ -296,17 +310,9 @@ def _few_groups(raw_ids, valid_slots, num_experts, FEW: tl.constexpr, ROWS: tl.c
     leaders or -1, number of groups, dropped slots). A group is ROWS consecutive served slots of one
     expert (positions g * ROWS ..), its leader the first of them: one tile a group, so an expert
     with more than ROWS slots in a batch (duplicate ids) has several."""
-    slot = tl.arange(0, FEW)
-    in_rows = slot < valid_slots
-    expert = tl.where(in_rows, raw_ids, -1)
-    served = in_rows & (expert >= 0) & (expert < num_experts)
-    expert = tl.where(served, expert, -1)
-    earlier_same = (expert[:, None] == expert[None, :]) & (slot[None, :] < slot[:, None])
-    position = tl.sum(earlier_same.to(tl.int32), 1)
-    leader = served & (position % ROWS == 0)
-    rank = tl.where(leader, tl.cumsum(leader.to(tl.int32), 0) - 1, -1)
-    dropped = tl.sum((in_rows & ~served).to(tl.int64), 0)
-    return slot, expert, position, rank, tl.sum(leader.to(tl.int32), 0), dropped
+    slot, in_rows, expert, served, position = _served_positions(raw_ids, valid_slots, num_experts, FEW)
+    rank, groups, dropped = _ranked(served & (position % ROWS == 0), in_rows, served)
+    return slot, expert, position, rank, groups, dropped
 
 
 @triton.jit
