@@ -131,7 +131,7 @@ from safemoe.configs import (  # noqa: E402
     shape_key,
     token_bucket,
 )
-from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS, fused_slots  # noqa: E402
+from safemoe.kernels.experts import FEW_SLOTS, SMALL_BATCH_TOKENS, fused_bucket  # noqa: E402
 from safemoe.numerics import FP8_BLOCK  # noqa: E402
 
 # (E, K, H, I)
@@ -1047,7 +1047,7 @@ def search_fused(incumbent: ExpertsConfig | None, num_tokens: int, top_k: int) -
     occupancy for both GEMMs: its best tiles need not be the two launches'; H200 2026-12-02:
     gpt-oss T = 8 fused 31% slower with its entry's tiles, 1.8% faster with wider ones). The
     fused step after the search re-decides it for the winner."""
-    if top_k > FEW_SLOTS or num_tokens * top_k > fused_slots():
+    if not fused_bucket(num_tokens, top_k):
         return False
     asked = os.environ.get(SEARCH_FUSED_ENV) == "1"
     return asked or (incumbent is not None and incumbent.fused)
@@ -1450,9 +1450,7 @@ def run_one_launch(
 def fused_buckets(configs: dict[int, ExpertsConfig], top_k: int) -> list[int]:
     """The buckets of `configs` whose `fused` is timed: every call takes the few-slot path there
     (T*K <= FEW_SLOTS) or would, fused (T*K <= FUSED_SLOTS), the path not turned off."""
-    if top_k > FEW_SLOTS:  # the few-slot path is off
-        return []
-    return [bucket for bucket in sorted(configs) if bucket * top_k <= fused_slots() and configs[bucket].few]
+    return [bucket for bucket in sorted(configs) if fused_bucket(bucket, top_k) and configs[bucket].few]
 
 
 def choose_fused(two_launches_us: float, fused_us: float, margin: float = FUSED_MARGIN) -> bool:

@@ -1090,6 +1090,18 @@ def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyP
     assert not calls
 
 
+def test_fused_bucket_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buckets that can run every batch fused: K <= 16 and T*K <= 32, or 64 with the packed
+    tiles; the tuner and few_tiles_from ask the same rule."""
+    import safemoe.kernels.experts as experts_module
+    from safemoe.kernels.experts import fused_bucket
+
+    assert fused_bucket(8, 4) and fused_bucket(2, 16) and fused_bucket(1, 1)
+    assert not fused_bucket(9, 4) and not fused_bucket(8, 8) and not fused_bucket(1, 17)
+    monkeypatch.setattr(experts_module, "PACK_FUSED_ROWS", True)
+    assert fused_bucket(8, 8) and not fused_bucket(9, 8) and not fused_bucket(2, 17)
+
+
 _UP_TO_32_SLOTS = [(8, 4, False), (3, 8, False), (16, 2, False), (5, 5, False), (5, 5, True)]
 _WIDE_FUSED_CASES = [(num_tokens, top_k, crowded, packed) for packed in (False, True)
                      for num_tokens, top_k, crowded in _UP_TO_32_SLOTS]

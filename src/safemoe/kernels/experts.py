@@ -96,12 +96,6 @@ PACKED_FUSED_SLOTS = 64
 # H200; a CPU compile for sm_90 put 123 KB against 102 KB for 16-row tiles, one program an SM
 # instead of two). Not yet timed on a GPU; tested both ways.
 PACK_FUSED_ROWS = False
-
-
-def fused_slots() -> int:
-    """The most slots (T*K) of a bucket that can run every batch as the fused few-slot launch:
-    FUSED_SLOTS, or PACKED_FUSED_SLOTS with PACK_FUSED_ROWS (read at call time: an A/B switch)."""
-    return PACKED_FUSED_SLOTS if PACK_FUSED_ROWS else FUSED_SLOTS
 # A shape without a tuned table compiles lighter few-slot tiles into its 64-row buckets' launches
 # (`light_few_tiles`: K steps of at most 128, 4 stages) than its decode bucket runs (256-wide K
 # steps): with the decode bucket's tiles compiled in, a path the full batch never takes cost it
@@ -114,6 +108,19 @@ def fused_slots() -> int:
 # 128-row buckets showed no such cost and keep the decode bucket's tiles.
 LIGHT_FEW_BLOCK_M = 64
 LIGHT_FEW_BLOCK_K = 128
+
+
+def fused_slots() -> int:
+    """The most slots (T*K) of a bucket that can run every batch as the fused few-slot launch:
+    FUSED_SLOTS, or PACKED_FUSED_SLOTS with PACK_FUSED_ROWS (read at call time: an A/B switch)."""
+    return PACKED_FUSED_SLOTS if PACK_FUSED_ROWS else FUSED_SLOTS
+
+
+def fused_bucket(num_tokens: int, top_k: int) -> bool:
+    """Whether a bucket of T tokens can run every batch as the fused few-slot launch when its own
+    config is `fused` (K <= FEW_SLOTS and T*K <= fused_slots()): the one rule experts_triton,
+    few_tiles_from and scripts/tune_experts.py apply."""
+    return top_k <= FEW_SLOTS and num_tokens * top_k <= fused_slots()
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 # fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
@@ -1013,7 +1020,6 @@ def _few_gemms_kernel(
                 raw_ids, valid_slots, num_experts, FEW, TILE_M)
         else:
             slot, expert, rank, leaders, dropped = _few_slots(raw_ids, valid_slots, num_experts, FEW)
-            position = slot
         if HAS_HEALTH:  # noqa: SIM102 (a constexpr guard: the atomic is not compiled without health)
             if tl.program_id(0) == 0:
                 tl.atomic_add(health_ptr + 1, dropped, sem="relaxed")
@@ -1467,7 +1473,7 @@ def few_tiles_from(num_tokens: int, top_k: int, cfg: ExpertsConfig, source: Call
     scripts/heuristic_eval.py to the rules it times."""
     if top_k > FEW_SLOTS or not cfg.few:
         return None
-    if num_tokens * top_k <= (fused_slots() if cfg.fused else FEW_SLOTS):
+    if num_tokens * top_k <= FEW_SLOTS or (cfg.fused and fused_bucket(num_tokens, top_k)):
         return cfg
     few = source()
     if not few.few:
@@ -1631,7 +1637,7 @@ def experts_triton(
         # a fused bucket of up to FUSED_SLOTS slots with its own tiles as few_config: every batch
         # takes the fused launch with FUSED_SLOTS-row tiles
         only = num_tokens * top_k <= FEW_SLOTS or (
-            num_tokens * top_k <= fused_slots() and few_config.fused and few_config == config)
+            few_config.fused and few_config == config and fused_bucket(num_tokens, top_k))
         few = FewSlots(few_config, ids, num_valid, health, only, ids_complete)
         if only:
             # Every call takes the few-slot path: its tiles alone, no dispatch, no small tiles.
