@@ -1066,19 +1066,22 @@ def test_interleaved_gate_up_tile_matches(device: str) -> None:
 
 
 @interpreter_only(INTERPRETER_ONLY)
-@pytest.mark.parametrize("num_tokens,own_few", [(9, False), (17, True)])
+@pytest.mark.parametrize("num_tokens,own_few", [(9, False), (33, True)])
 def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyPatch, num_tokens: int,
                                                      own_few: bool) -> None:
     """A bucket with T*K > 16 runs its GEMMs apart whatever its own `fused` says (a batch there may
     need the dispatch layout) unless it is a fused bucket of <= FUSED_SLOTS slots running its own
     tiles as the few-slot tiles (test below): here with other few-slot tiles (18 slots) or above
-    FUSED_SLOTS (34 slots, its own tiles). It still matches the reference; only fused few-slot tiles
-    (the few_config's `fused`, tests below) bring the fused launch into it."""
+    fused_slots() (66 slots, its own tiles). It still matches the reference; only fused few-slot
+    tiles (the few_config's `fused`, tests below) bring the fused launch into it."""
     import dataclasses
+
+    from safemoe.kernels.experts import fused_bucket
 
     calls = _spy_fused_launches(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     num_experts, top_k, hidden, inter = 6, 2, 32, 32
+    assert not fused_bucket(num_tokens, top_k) or not own_few
     w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
     x = torch.randn(num_tokens, hidden, generator=gen)
     weights, ids = _routing(num_tokens, top_k, num_experts, gen)
@@ -1091,11 +1094,13 @@ def test_fused_is_ignored_above_the_few_slot_buckets(monkeypatch: pytest.MonkeyP
 
 
 def test_fused_bucket_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The buckets that can run every batch fused: K <= 16 and T*K <= 32, or 64 with the packed
-    tiles; the tuner and few_tiles_from ask the same rule."""
+    """The buckets that can run every batch fused: K <= 16 and T*K <= 32 with 32-row tiles, 64
+    with the packed tiles (the default); the tuner and few_tiles_from ask the same rule."""
     import safemoe.kernels.experts as experts_module
     from safemoe.kernels.experts import fused_bucket
 
+    assert fused_bucket(8, 8) and not fused_bucket(9, 8)  # the default: packed
+    monkeypatch.setattr(experts_module, "PACK_FUSED_ROWS", False)
     assert fused_bucket(8, 4) and fused_bucket(2, 16) and fused_bucket(1, 1)
     assert not fused_bucket(9, 4) and not fused_bucket(8, 8) and not fused_bucket(1, 17)
     monkeypatch.setattr(experts_module, "PACK_FUSED_ROWS", True)

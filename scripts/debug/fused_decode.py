@@ -9,9 +9,8 @@ device tensor, CUDA-graph replay over 8 seeded routings) with the device table's
 ("two": GEMM1 and GEMM2 in two launches) and with `fused` on in a few variants (`_variants`),
 alternating for --rounds rounds; prints each variant's median, and checks the fused
 outputs bitwise against the two launches'. --variants also takes "fused:g1n=64,g2n=128,..."
-(`_fused_with`) and any variant with "+pack" appended (kernels/experts.py PACK_FUSED_ROWS on for
-it: a fused bucket of up to 32 slots packs each expert's slots into 16-row tiles). A measurement
-script, not a test.
+(`_fused_with`) and any variant with "+pack" or "-pack" appended (`_use`: the packed 16-row
+tiles of kernels/experts.py PACK_FUSED_ROWS on or off for it). A measurement script, not a test.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
+import safemoe.kernels.experts as experts_module
 from safemoe.bench.harness import time_graph
 from safemoe.configs import ExpertsConfig, get_config, load_device_configs, shape_key
 from safemoe.kernels.experts import few_slots_bucket
@@ -53,12 +53,23 @@ def _variants(cfg: ExpertsConfig, names: list[str] | None = None) -> dict[str, E
     variants["fused_n64"] = dataclasses.replace(fused, gemm1=dataclasses.replace(cfg.gemm1, block_n=64))
     if names:
         for name in names:
-            if name.startswith("fused:"):
-                variants[name] = _fused_with(fused, name.removesuffix("+pack"))
-            elif name.endswith("+pack") and name.removesuffix("+pack") in variants:
-                variants[name] = variants[name.removesuffix("+pack")]
+            base = _without_pack_suffix(name)
+            if base.startswith("fused:"):
+                variants[name] = _fused_with(fused, base)
+            elif base != name and base in variants:
+                variants[name] = variants[base]
         variants = {"two": two, **{name: variants[name] for name in names if name in variants}}
     return variants
+
+
+PACK_SUFFIXES = ("+pack", "-pack")
+
+
+def _without_pack_suffix(name: str) -> str:
+    for suffix in PACK_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
 
 
 _OVERRIDES = {"g1n": ("gemm1", "block_n"), "g1k": ("gemm1", "block_k"), "g1s": ("gemm1", "num_stages"),
@@ -100,15 +111,22 @@ def kernel_times(step, calls: int = 8) -> dict[str, float]:
 
 
 VARIANTS_FOR_PROFILE = 8
+DEFAULT_PACK = experts_module.PACK_FUSED_ROWS
 
 
 def _use(entries: dict, num_tokens: int, side: str, variant: ExpertsConfig) -> None:
     """Serve T with `variant`; a side named "...+pack" runs with kernels/experts.py PACK_FUSED_ROWS
-    on (each expert's slots packed into 16-row tiles in a fused bucket of up to 32 slots)."""
-    import safemoe.kernels.experts as experts_module
-
+    on (each expert's slots packed into 16-row tiles in a fused bucket of up to 64 slots), "...-pack"
+    with it off (32-row tiles, up to 32 slots); other sides run the module's defaults. (Packed
+    buckets of 65-128 slots, PACKED_FUSED_SLOTS raised to 128 with a 256-counter few_sync, were
+    12-53% slower than two launches on an H200, 2026-12-02: bench/results/logs/
+    packed_on_ab_NVIDIA-H200_2026-12-02.txt.)"""
     entries[num_tokens] = variant
-    experts_module.PACK_FUSED_ROWS = side.endswith("+pack")
+    experts_module.PACK_FUSED_ROWS = DEFAULT_PACK
+    if side.endswith("+pack"):
+        experts_module.PACK_FUSED_ROWS = True
+    elif side.endswith("-pack"):
+        experts_module.PACK_FUSED_ROWS = False
 
 
 def measure(table: dict, name: str, num_tokens: int, rounds: int, names: list[str] | None = None,

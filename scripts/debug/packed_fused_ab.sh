@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debug (issue 13, prepared in the twenty-fourth session): the packed 16-row tiles of the fused
-# few-slot launch (kernels/experts.py PACK_FUSED_ROWS, an A/B switch that is off) in one device call.
+# few-slot launch (kernels/experts.py PACK_FUSED_ROWS, then an A/B switch that was off; on since this
+# run) in one device call.
 #  1. The fused-bucket tests on the GPU (packed and 64-slot cases included) and under memcheck.
 #  2. Whole-layer A/Bs (fused_decode.py, interleaved rounds): each bucket of 16 < T*K <= 64 slots as
 #     its entry is ("two"), fused with 32-row tiles, and fused with packed tiles ("+pack"); gpt-oss

@@ -89,13 +89,16 @@ FEW_SLOTS = 16
 FUSED_SLOTS = 32
 # ... and up to this many with PACK_FUSED_ROWS (below): 16-row tiles whatever the slots
 PACKED_FUSED_SLOTS = 64
-# An A/B switch (off: as measured in the twenty-fourth session): with it on, that launch packs each
-# expert's slots into FEW_SLOTS-row tiles (`_few_groups`) instead of FUSED_SLOTS-row tiles whose
-# rows are every slot number, most of them masked. The 32-row tiles cost the launch shared memory
-# and MMA rows for nothing (gpt-oss T = 8 fused: +31% with the entry's 32-column GEMM1 tiles on an
-# H200; a CPU compile for sm_90 put 123 KB against 102 KB for 16-row tiles, one program an SM
-# instead of two). Not yet timed on a GPU; tested both ways.
-PACK_FUSED_ROWS = False
+# On: that launch packs each expert's slots into FEW_SLOTS-row tiles (`_few_groups`) instead of
+# FUSED_SLOTS-row tiles whose rows are every slot number, most of them masked (off: the twenty-
+# fourth session's launch, kept as an A/B switch). The 32-row tiles cost shared memory and MMA
+# rows for nothing (a CPU compile for sm_90: 123 KB against 102 KB, one program an SM instead of
+# two). Whole layer on an H200, 2026-12-02 (scripts/debug/packed_fused_ab.sh; two launches ->
+# fused 32-row -> fused packed, us): gpt-oss T = 8 341.1 -> 439.2 -> 329.8, Qwen3-Next T = 2 56.8
+# -> 49.4 -> 43.6, Qwen3 T = 4 80.6 -> 81.1 -> 76.7, DeepSeek-V3 T = 4 624.7 -> 677.7 -> 603.4,
+# Mixtral T = 16 648.1 -> 653.7 -> 648.4; 33-64 slots, packed only: Qwen3 T = 8 127.3 -> 120.4,
+# DeepSeek-V3 T = 8 1149.2 -> 1136.7.
+PACK_FUSED_ROWS = True
 # A shape without a tuned table compiles lighter few-slot tiles into its 64-row buckets' launches
 # (`light_few_tiles`: K steps of at most 128, 4 stages) than its decode bucket runs (256-wide K
 # steps): with the decode bucket's tiles compiled in, a path the full batch never takes cost it
