@@ -1475,15 +1475,56 @@ def decide_fused(case: Case, cfg: ExpertsConfig, log: list[dict[str, Any]],
                                                  "fused": round(med[True], 2)}
 
 
+def fused_dependents_hold(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int, cfg: ExpertsConfig,
+                          choice: bool, configs: dict[int, ExpertsConfig], log: list[dict[str, Any]],
+                          deadline: float) -> tuple[bool, dict[str, dict[str, float]] | None]:
+    """(whether `bucket`'s entry may go from cfg.fused to `choice`, dependent timings): a bucket
+    whose entry also gives larger buckets their few-slot tiles (`dependents`: few_slots_bucket(K),
+    or a bucket its entry serves by the nearest-bucket rule) moves their padded steps onto or off
+    the fused launch ahead of their GEMMs, so the flip holds only if no such step gets slower by
+    more than ONE_LAUNCH_TOLERANCE (`time_dependents`, `dependents_allow`). H200 2026-12-02: gpt-oss
+    T = 8 fused (-3.3% on its own) also served T = 4, few_slots_bucket(4), and its T = 1024 one-row
+    step went 63.5 -> 77.1 us. Not timed (budget spent, a timing failed): the flag stays."""
+    if choice == cfg.fused:
+        return True, None
+
+    def fallback(tokens: int) -> ExpertsConfig:
+        return heuristic_tiles(name, tokens, None)
+
+    sources = (cfg, replace(cfg, fused=choice))
+    # only the one-row steps: the flag means nothing to a larger bucket's small-batch tiles
+    found = [dep for dep in dependents(bucket, SHAPES[name][1], sources, configs, fallback)
+             if dep.num_valid == ONE_LAUNCH_ONE_ROW]
+    if not found:
+        return True, None
+    timings = time_dependents(name, w13, w2, bucket, sources, found, configs, fallback, log, deadline)
+    return timings is not None and dependents_allow(timings), timings
+
+
 def run_fused(name: str, w13: torch.Tensor, w2: torch.Tensor, configs: dict[int, ExpertsConfig],
-              log: list[dict[str, Any]], deadline: float) -> dict[int, tuple[bool, dict[str, float]]]:
-    """`fused` decided for each of `fused_buckets(configs)`, timed at T = the bucket."""
+              log: list[dict[str, Any]], deadline: float, table: dict[int, ExpertsConfig] | None = None
+              ) -> dict[int, tuple[bool, dict[str, Any]]]:
+    """`fused` decided for each of `fused_buckets(configs)`, timed at T = the bucket; a change of
+    the flag that slows a padded step the entry serves is not taken (`fused_dependents_hold` over
+    `table`, the shape's other entries, with `configs` over it; its timings under "dependents")."""
+    whole = {**(table or {}), **configs}
     decided = decide_per_bucket(name, w13, w2, fused_buckets(configs, SHAPES[name][1]), "fused",
                                 lambda case: decide_fused(case, configs[case.num_tokens], log, deadline))
+    result: dict[int, tuple[bool, dict[str, Any]]] = {}
     for bucket, (choice, med) in decided.items():
+        cfg = configs[bucket]
+        holds, timings = fused_dependents_hold(name, w13, w2, bucket, cfg, choice, whole, log, deadline)
+        record: dict[str, Any] = dict(med)
+        if timings is not None:
+            record["dependents"] = timings
+        if not holds:
+            print(f"  {name} T={bucket}: fused stays {cfg.fused}, a padded step the entry serves got "
+                  f"slower or was not timed: {timings}", flush=True)
+            choice = cfg.fused
         print(f"  {name} T={bucket}: fused={choice}  {med['two_launches']:.1f} -> {med['fused']:.1f} us "
               f"({med['fused'] / med['two_launches'] - 1:+.1%})", flush=True)
-    return decided
+        result[bucket] = (choice, record)
+    return result
 
 
 def interleave_candidates(cfg: ExpertsConfig) -> dict[str, ExpertsConfig]:
@@ -1958,7 +1999,8 @@ def main(argv: list[str] | None = None) -> int:
             for bucket, (choice, timings) in decided.items():
                 winners[key][str(bucket)].update(one_launch=choice, one_launch_us=timings)
         if not args.no_fused and args.quant is None:
-            for bucket, (choice, med) in run_fused(name, w13, w2, tuned, log, deadline).items():
+            for bucket, (choice, med) in run_fused(name, w13, w2, tuned, log, deadline,
+                                                   table_entries.get(key, {})).items():
                 winners[key][str(bucket)].update(fused=choice, fused_us=med)
         del w13, w2
         torch.cuda.empty_cache()
@@ -2054,7 +2096,8 @@ def fused_only(args: argparse.Namespace, names: list[str], start: float) -> int:
         timed = fused_buckets(configs, SHAPES[name][1])
         print(f"{name}: fused timed at T = {timed} ({key} in {path})", flush=True)
         w13, w2 = make_weights(name, device)
-        for bucket, (choice, med) in run_fused(name, w13, w2, configs, log, deadline).items():
+        whole = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
+        for bucket, (choice, med) in run_fused(name, w13, w2, configs, log, deadline, whole).items():
             entry = {**entries[str(bucket)], "fused": choice, "fused_us": med}
             winners.setdefault(key, {})[str(bucket)] = entry
         del w13, w2

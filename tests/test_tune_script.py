@@ -451,13 +451,15 @@ def _fake_gpu(monkeypatch, tmp_path, tune):
     )
     full = {64: (100.0, 100.5), 1024: (200.0, 210.0)}
 
-    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None):
+    def fake_time(self, cfg, stages="all", est_us=None, small=None, num_valid=None, few=None):
         if self.num_tokens * tune.SHAPES["tiny"][1] <= tune.FEW_SLOTS:  # the fused decision
             assert small is None and num_valid is None
             return 10.0 if cfg.fused else 12.0
         assert small is not None and small.block_m < cfg.block_m
         if num_valid == tune.ONE_LAUNCH_PADDED_ROWS:
             return 25.0 if cfg.one_launch else 30.0
+        if num_valid == tune.ONE_LAUNCH_ONE_ROW and isinstance(few, ExpertsConfig):
+            return 30.0 if few.fused else 22.0  # a dependent step: slower with fused few-slot tiles
         if num_valid == tune.ONE_LAUNCH_ONE_ROW:
             return 20.0 if cfg.one_launch else 22.0
         return full[self.num_tokens][cfg.one_launch]
@@ -534,7 +536,11 @@ def test_main_tuning_decides_one_launch_after_the_tiles(monkeypatch, tmp_path):
     assert tune.main([*argv, "--write"]) == 0
     _check_written(path, tune, "E4_H64_I32_K2_bfloat16")
     entries = json.loads(path.read_text())["configs"]["E4_H64_I32_K2_bfloat16"]
-    assert entries["8"]["fused"] is True and entries["8"]["fused_us"] == {"two_launches": 12.0, "fused": 10.0}
+    # T = 8 (few_slots_bucket(2)) is 12 -> 10 us fused, but gives T = 1024 its few-slot tiles,
+    # whose one-row step the fake times slower fused (22 -> 30 us): the flag stays off
+    assert entries["8"]["fused"] is False and entries["8"]["fused_us"] == {
+        "two_launches": 12.0, "fused": 10.0,
+        "dependents": {"T=1024 num_valid=1": {"incumbent": 22.0, "winner": 30.0}}}
     assert not any(entries[b]["fused"] or "fused_us" in entries[b] for b in ("64", "1024"))
     # --no-one-launch: winners keep one_launch off, nothing timed for it
     assert tune.main([*argv, "--write", "--no-one-launch", "--no-fused"]) == 0
@@ -583,15 +589,21 @@ def test_main_missing_tunes_only_the_buckets_without_an_entry(monkeypatch, tmp_p
         tune.main([*argv[:-3], "--missing", "--one-launch-only"])
 
 
-def test_fused_buckets_and_rule():
+def test_fused_buckets_and_rule(monkeypatch):
     """fused is timed where every call takes the few-slot path (T*K <= 16, few on) or would, fused
-    (T*K <= 32), and kept only when faster by more than FUSED_MARGIN."""
+    (T*K <= 64 with the packed tiles, the default; 32 without), and kept only when faster by more
+    than FUSED_MARGIN."""
+    import safemoe.kernels.experts as experts_module
+
     tune = _load()
     configs = {b: _cfg(16) for b in (1, 2, 4, 8, 16, 64)}
     assert tune.fused_buckets(configs, 2) == [1, 2, 4, 8, 16]
-    assert tune.fused_buckets(configs, 8) == [1, 2, 4]
-    assert tune.fused_buckets({**configs, 2: _cfg(16, few=False)}, 8) == [1, 4]
+    assert tune.fused_buckets(configs, 8) == [1, 2, 4, 8]
+    assert tune.fused_buckets({**configs, 2: _cfg(16, few=False)}, 8) == [1, 4, 8]
     assert tune.fused_buckets(configs, 17) == []
+    monkeypatch.setattr(experts_module, "PACK_FUSED_ROWS", False)
+    assert tune.fused_buckets(configs, 8) == [1, 2, 4]
+    assert tune.fused_buckets(configs, 4) == [1, 2, 4, 8]
     margin = tune.FUSED_MARGIN
     assert tune.choose_fused(100.0, 100.0 * (1 - margin) - 0.01)
     assert not tune.choose_fused(100.0, 100.0 * (1 - margin) + 0.01)
@@ -634,12 +646,14 @@ def test_main_fused_only_writes_decisions(monkeypatch, tmp_path):
     data = json.loads(path.read_text())
     assert data["date"] == "old" and data["notes"] == "kept" and "fused_run" in data
     written = data["configs"][key]
-    for bucket in ("1", "8"):
-        assert written[bucket] == {**entries[bucket], "fused": True,
-                                   "fused_us": {"two_launches": 12.0, "fused": 10.0}}
+    med = {"two_launches": 12.0, "fused": 10.0}
+    assert written["1"] == {**entries["1"], "fused": True, "fused_us": med}
+    # T = 8 is few_slots_bucket(2): fused, it would slow T = 64's one-row step (22 -> 30 us)
+    assert written["8"] == {**entries["8"], "fused": False, "fused_us": {
+        **med, "dependents": {"T=64 num_valid=1": {"incumbent": 22.0, "winner": 30.0}}}}
     assert written["64"] == entries["64"]
     log = json.loads((out / "tune_log.json").read_text())["log"]
-    assert len(log) == 2 * 2 * tune.ONE_LAUNCH_ROUNDS and {e["T"] for e in log} == {1, 8}
+    assert len(log) == 3 * 2 * tune.ONE_LAUNCH_ROUNDS and {e["T"] for e in log} == {1, 8, 64}
     with pytest.raises(SystemExit):
         tune.main([*argv, "--no-fused"])
 
@@ -1316,6 +1330,53 @@ def test_check_dependents_keeps_the_incumbent_when_a_served_step_slows(monkeypat
     assert not tune.dependents_allow({"a": {"incumbent": 100.0, "winner": 101.1}})
 
 
+def test_run_fused_keeps_the_flag_when_a_served_padded_step_slows(monkeypatch):
+    """gpt-oss-like (K = 4): T = 4 is few_slots_bucket(4) and has no entry, so T = 8's entry (the
+    nearest) gives the larger buckets their few-slot tiles; fusing it moves T = 1024's one-row step
+    onto the fused launch. The flip holds only if that step is timed no slower; a bucket no larger
+    bucket's step depends on is decided on its own time alone."""
+    import torch
+
+    tune = _load()
+    monkeypatch.setitem(tune.SHAPES, "tiny4", (8, 4, 64, 32))  # (E, K, H, I)
+    monkeypatch.setitem(tune.SHAPES, "tiny8", (8, 8, 64, 32))
+    entry = _decode_cfg(64)
+    table = {1: tune.replace(_decode_cfg(32), fused=True), 8: entry, 64: _cfg(32, few=True),
+             1024: _cfg(128, few=True)}
+    med = {"two_launches": 341.1, "fused": 329.8}
+    def decide_all(name, w13, w2, buckets, what, decide, fp8=None):
+        return {bucket: (True, med) for bucket in buckets}
+
+    monkeypatch.setattr(tune, "decide_per_bucket", decide_all)
+    step = "T=1024 num_valid=1"
+    calls = []
+
+    def fake_time(name, w13, w2, bucket, sources, found, table_, fallback, log, deadline, fp8=None):
+        calls.append((name, bucket, sources, sorted((d.bucket, d.num_valid) for d in found)))
+        return result
+
+    monkeypatch.setattr(tune, "time_dependents", fake_time)
+    w = torch.zeros(1)
+
+    def run(name="tiny4", configs=None):
+        return tune.run_fused(name, w, w, configs or {8: entry}, [], float("inf"), table)
+
+    result = {step: {"incumbent": 63.5, "winner": 77.1}}
+    assert run() == {8: (False, {**med, "dependents": result})}
+    assert calls == [("tiny4", 8, (entry, tune.replace(entry, fused=True)), [(1024, 1)])]
+    result = {step: {"incumbent": 63.5, "winner": 63.6}}
+    assert run() == {8: (True, {**med, "dependents": result})}
+    result = None  # not timed: the flag stays
+    assert run() == {8: (False, med)}
+    # K = 8: few_slots_bucket(8) = 2 takes T = 1's entry, so T = 8's flag serves no padded step
+    calls.clear()
+    assert run("tiny8") == {8: (True, med)}
+    assert calls == []
+    # a flag already as decided: nothing to check
+    fused_entry = tune.replace(entry, fused=True)
+    assert run(configs={8: fused_entry}) == {8: (True, med)} and calls == []
+
+
 def test_a_fused_incumbent_has_its_candidates_searched_fused(monkeypatch):
     """A few-slot bucket whose incumbent is fused times (and precompiles) its tile candidates
     fused: the one launch has one num_stages and one occupancy for both GEMMs, so its best tiles
@@ -1323,12 +1384,13 @@ def test_a_fused_incumbent_has_its_candidates_searched_fused(monkeypatch):
     tune = _load()
     fused_incumbent = _cfg(16, fused=True)
     assert tune.search_fused(fused_incumbent, 1, 8) and tune.search_fused(fused_incumbent, 2, 8)
-    assert tune.search_fused(fused_incumbent, 4, 8), "T*K <= 32: fused with 32-row tiles"
-    assert not tune.search_fused(fused_incumbent, 8, 8), "T*K > 32: never fused"
+    assert tune.search_fused(fused_incumbent, 4, 8), "T*K <= 32: fused"
+    assert tune.search_fused(fused_incumbent, 8, 8), "T*K <= 64: fused with the packed tiles"
+    assert not tune.search_fused(fused_incumbent, 16, 8), "T*K > 64: never fused"
     assert not tune.search_fused(fused_incumbent, 1, 17), "K > 16: no few-slot path"
     monkeypatch.setenv(tune.SEARCH_FUSED_ENV, "1")  # --search-fused
     assert tune.search_fused(_cfg(16), 4, 8) and tune.search_fused(None, 8, 4)
-    assert not tune.search_fused(_cfg(16), 8, 8), "--search-fused: still T*K <= 32 only"
+    assert not tune.search_fused(_cfg(16), 16, 8), "--search-fused: still T*K <= 64 only"
     monkeypatch.delenv(tune.SEARCH_FUSED_ENV)
     assert not tune.search_fused(_cfg(16), 1, 8) and not tune.search_fused(None, 1, 8)
     assert all(c.fused for c in tune.candidate_plan(1, 128, 4, fused=True))
