@@ -61,13 +61,15 @@ How it searches (per model shape and token bucket T):
    kept; --tokens picks buckets), so one_launch can be re-decided without re-tuning; an entry
    whose one_launch was set by hand carries `one_launch_pinned` (the reason) and is kept.
 5. fused (after one_launch; skip with --no-fused): every bucket whose every call takes the few-slot
-   path (T*K <= FEW_SLOTS) or, fused, would (T*K <= FUSED_SLOTS: then with 32-row tiles and no
-   dispatch launch; H200 2026-12-02: Qwen3-Next T = 2 -15.8%, gpt-oss T = 8 +0.3 to +31% with its
-   tiles, Qwen3 / DeepSeek-V3 T = 4 +1.2 / +7.8%) is timed with GEMM1 and GEMM2 in two launches and
-   in one (`ExpertsConfig.fused`), ONE_LAUNCH_ROUNDS interleaved rounds, medians compared: fused
-   only when faster by more than FUSED_MARGIN (`choose_fused`); --search-fused times those buckets'
-   tile candidates fused too (a fused incumbent always does). It pays where GEMM1 runs several
-   waves of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26: gpt-oss and
+   path (T*K <= FEW_SLOTS) or, fused, would (`fused_bucket`: T*K <= 64 with the packed 16-row
+   tiles, no dispatch launch; H200 2026-12-02: Qwen3-Next T = 2 -23%, Qwen3 T = 8 -5.4%, gpt-oss
+   T = 8 -3.3%) is timed with GEMM1 and GEMM2 in two launches and in one (`ExpertsConfig.fused`),
+   ONE_LAUNCH_ROUNDS interleaved rounds, medians compared: fused only when faster by more than
+   FUSED_MARGIN (`choose_fused`), and only if the one-row steps of the larger buckets whose
+   few-slot tiles the entry gives are no slower (`fused_dependents_hold`; H200 2026-12-02: gpt-oss
+   T = 8 fused, serving T = 4, took T = 1024's one-row step from 63.5 to 77.1 us); --search-fused
+   times those buckets' tile candidates fused too (a fused incumbent always does). It pays where
+   GEMM1 runs several waves of tiles and GEMM2 has many tiles per expert (H100/H200 2026-11-26: gpt-oss and
    DeepSeek-V3 T = 1 -1.5 to -3.4% in the layer) and costs where it does not (Qwen3 T = 1 +11-26%,
    Mixtral T = 1 +2-9%), so it is a per-bucket choice. --fused-only does this step alone for the
    device table's entries (tiles kept).
