@@ -82,12 +82,15 @@ SMALL_BATCH_TOKENS = 8
 # builds the layout in its registers from the ids (no dispatch kernel), one FEW_SLOTS-row tile per
 # expert routed to. It is the M of the smallest tensor-core tile, so a tile holds every slot.
 FEW_SLOTS = 16
-# A bucket of up to this many slots (T*K) whose own config is `fused` runs every batch as the fused
-# few-slot launch with tiles of FUSED_SLOTS rows (no dispatch launch, GEMM2's tiles of an expert
-# starting as its GEMM1 tiles finish): the decode buckets above 16 slots whose GEMM1 runs several
-# waves, where the fused launch paid at 16 slots (gpt-oss T = 4: -5.1% on an H200).
+# With PACK_FUSED_ROWS off, a bucket of up to this many slots (T*K) whose own config is `fused` runs
+# every batch as the fused few-slot launch with tiles of FUSED_SLOTS rows (no dispatch launch,
+# GEMM2's tiles of an expert starting as its GEMM1 tiles finish): the decode buckets above 16 slots
+# whose GEMM1 runs several waves, where the fused launch paid at 16 slots (gpt-oss T = 4: -5.1% on
+# an H200).
 FUSED_SLOTS = 32
-# ... and up to this many with PACK_FUSED_ROWS (below): 16-row tiles whatever the slots
+# ... and up to this many with PACK_FUSED_ROWS (below, the default): 16-row tiles whatever the
+# slots. Packed buckets of 65-128 slots were 12-53% slower than two launches on an H200
+# (2026-12-02: Qwen3-Next T = 8, Qwen3 T = 16, gpt-oss T = 32, DeepSeek-V3 T = 16).
 PACKED_FUSED_SLOTS = 64
 # On: that launch packs each expert's slots into FEW_SLOTS-row tiles (`_few_groups`) instead of
 # FUSED_SLOTS-row tiles whose rows are every slot number, most of them masked (off: the twenty-
