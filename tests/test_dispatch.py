@@ -188,6 +188,29 @@ def test_wide_chunk_one_program(device: str, num_tokens: int, top_k: int, num_ex
         _check_layout(ids, num_experts, nv, 32, ws=ws, health=health)
 
 
+@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "num_valid"),
+                         [(8, 10, 512, None), (8, 10, 512, 3), (64, 10, 512, 37), (2, 10, 600, None)])
+def test_many_bins_decode_program_at_any_warps(device: str, warps: int, num_tokens: int, top_k: int,
+                                               num_experts: int, num_valid: int | None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-program decode dispatch (T*K <= CHUNK) with 1024 bins or more (E = 512, Qwen3-Next)
+    builds the same layout whatever its warps (MANY_BINS_WARPS, an A/B switch): garbage ids
+    dropped and counted, stale padding rows never read, counters zero after each call."""
+    import safemoe.kernels.dispatch as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "MANY_BINS_WARPS", warps)
+    assert num_tokens * top_k <= CHUNK
+    gen = torch.Generator().manual_seed(num_tokens * 31 + warps)
+    ids = garbage_ids(num_tokens, top_k, num_experts, generator=gen).to(device)
+    nv = _nv(num_tokens) if num_valid is None else _nv(None, num_valid, device)
+    if num_valid is not None:
+        ids[num_valid:] = STALE_ID
+    ws = Workspace(num_tokens, num_experts, top_k, 16, 16, torch.float32, device)
+    for _ in range(2):
+        _check_layout(ids, num_experts, nv, 16, ws=ws, health=new_health_tensor(device))
+
+
 @pytest.mark.parametrize("bad", ["rows", "x_dtype", "xq_dtype", "xq_shape", "scale_groups", "group_len",
                                  "non_contiguous"])
 def test_quantize_x_rejected_before_any_launch(bad: str) -> None:

@@ -73,6 +73,14 @@ FUSE_X_QUANT = True
 # alone at 4096 slots but nothing in the layer (-0.1% at T = 512, 2026-11-27), so it keeps the
 # histogram.
 ATOMIC_COUNT_BINS = 1024
+# Warps of a one-program launch whose chunk is at most CHUNK (decode) with this many bins or more
+# (E = 512: Qwen3-Next): its histogram, scan and padding fill are per-bin work, spread over the
+# program's threads. An A/B switch at 4, the launch as it was: in the H200 layer (2026-12-02,
+# eager kernel times) Qwen3-Next T = 8's dispatch took 10.8 us where Qwen3's (256 bins) took 3.0,
+# 8% of that step; a CPU compile for sm_90 gives the 1024-bin program 2.6x the 256-bin one's
+# straight-line code. `scripts/debug/dispatch_alone_ab.py` sets it (fourth field).
+MANY_BINS = 1024
+MANY_BINS_WARPS = 4
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
 
 
@@ -326,7 +334,7 @@ def dispatch_into(
     has_nv_ptr = num_valid.tensor is not None
     nv_ptr = num_valid.tensor if has_nv_ptr else ids
     nv_count = num_valid.count if num_valid.count is not None else num_tokens
-    num_warps = ALONE_WARPS if wide else 4
+    num_warps = ALONE_WARPS if wide else (MANY_BINS_WARPS if bins >= MANY_BINS else 4)
     # x's quantisation in this launch's other programs (placeholders without it: never read)
     lent: dict[str, object] = {"x_ptr": ids, "xq_ptr": ids, "x_scale_ptr": ids, "x_row_len": 0,
                                "x_group_len": 0, "x_num_groups": 0}
