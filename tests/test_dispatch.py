@@ -4,7 +4,8 @@ race for the ticket).
 
 Checks per call: per-expert slot sets equal the reference's, counts exact, every padding position
 holds -1, the layout fits the capacity, the counters are back at zero, DROPPED_SLOTS exact. The
-layout is integer and exact on any device, so every case runs on both.
+layout is integer and exact on any device, so every case runs on both, and with both ways of
+writing a one-program layout's padding (`padding_fill`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from safemoe.health import DROPPED_SLOTS, new_health_tensor
 from safemoe.kernels.dispatch import ALONE_SLOTS, ATOMIC_COUNT_BINS, CHUNK, dispatch_into, dispatch_triton
 from safemoe.reference import dispatch_reference
 from safemoe.workspace import Workspace, capacity, max_m_blocks
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["bin_fill", "range_fill"])
+def padding_fill(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every case with the one-program layout's padding written per bin and as one range
+    (kernels/dispatch.py RANGE_PADDING_FILL, an A/B switch)."""
+    import safemoe.kernels.dispatch as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "RANGE_PADDING_FILL", request.param)
+    return request.param
 
 
 def _routing_ids(num_tokens: int, top_k: int, num_experts: int, gen: torch.Generator,

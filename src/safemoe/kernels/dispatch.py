@@ -81,6 +81,16 @@ ATOMIC_COUNT_BINS = 1024
 # straight-line code. `scripts/debug/dispatch_alone_ab.py` sets it (fourth field).
 MANY_BINS = 1024
 MANY_BINS_WARPS = 4
+# A layout built by one program (T*K <= ALONE_SLOTS, or a batch of at most CHUNK valid slots)
+# writes its -1 padding as one contiguous range, [0, M-blocks * BLOCK_M), before its scatter
+# overwrites the real slots' positions, instead of per bin ([NUM_BINS, FILL] masked stores, most of
+# them masked off at decode). An A/B switch, off (the launch as it is). Compiled for sm_90 on this
+# CPU, the per-bin fill is most of a 4-warp decode program's straight-line code (E = 512: 4358 PTX
+# lines, 2355 with the range fill; E = 128: 1493 and 820); only a GPU says what that costs.
+# `scripts/debug/dispatch_alone_ab.py` sets it (fifth field).
+RANGE_PADDING_FILL = False
+# Positions a step of that range fill writes.
+_RANGE_FILL_STEP: tl.constexpr = tl.constexpr(1024)
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
 
 
@@ -121,21 +131,31 @@ def _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr):
 
 @triton.jit
 def _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr, sorted_slots_ptr,
-                  BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, FILL: tl.constexpr):
-    """From per-expert counts: block ends, used M-blocks, cursor = first position, -1 padding."""
+                  BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, FILL: tl.constexpr,
+                  RANGE_FILL: tl.constexpr = False):
+    """From per-expert counts: block ends, used M-blocks, cursor = first position, -1 padding.
+    RANGE_FILL: every position of the used M-blocks gets -1, real slots' included, so the caller
+    must order this before its scatter (one program: a barrier; RANGE_PADDING_FILL)."""
     counts = tl.where(bins < num_experts, counts, 0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, 0)
     start = (block_end - blocks) * BLOCK_M
     tl.store(block_end_ptr + bins, block_end, mask=bins < num_experts)
     tl.store(cursor_ptr + bins, start, mask=bins < num_experts)
-    tl.store(num_blocks_ptr, tl.sum(blocks, 0))
-    for j0 in tl.static_range(0, BLOCK_M, FILL):
-        j = j0 + tl.arange(0, FILL)
-        fill = counts[:, None] + j[None, :]  # position inside the expert's range
-        pad = (bins[:, None] < num_experts) & (fill < (blocks * BLOCK_M)[:, None])
-        sentinel = tl.full((NUM_BINS, FILL), -1, tl.int32)
-        tl.store(sorted_slots_ptr + start[:, None] + fill, sentinel, mask=pad)
+    used = tl.sum(blocks, 0)
+    tl.store(num_blocks_ptr, used)
+    if RANGE_FILL:
+        positions = used * BLOCK_M
+        for p0 in range(0, positions, _RANGE_FILL_STEP):
+            p = p0 + tl.arange(0, _RANGE_FILL_STEP)
+            tl.store(sorted_slots_ptr + p, tl.full((_RANGE_FILL_STEP,), -1, tl.int32), mask=p < positions)
+    else:
+        for j0 in tl.static_range(0, BLOCK_M, FILL):
+            j = j0 + tl.arange(0, FILL)
+            fill = counts[:, None] + j[None, :]  # position inside the expert's range
+            pad = (bins[:, None] < num_experts) & (fill < (blocks * BLOCK_M)[:, None])
+            sentinel = tl.full((NUM_BINS, FILL), -1, tl.int32)
+            tl.store(sorted_slots_ptr + start[:, None] + fill, sentinel, mask=pad)
 
 
 @triton.jit
@@ -180,6 +200,7 @@ def _count_kernel(
     X_BLOCK_C: tl.constexpr = 16,
     X_ONE_CHUNK: tl.constexpr = True,
     NATIVE_CAST: tl.constexpr = False,
+    RANGE_FILL: tl.constexpr = False,  # the one-program layout's padding as one range (RANGE_PADDING_FILL)
 ):
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
@@ -213,15 +234,16 @@ def _count_kernel(
                     # Few valid slots in a batch tuned for many: the small-batch tiles' layout, whose
                     # GEMM launches run while the main ones find 0 blocks (and the reverse otherwise).
                     _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr + 1,
-                                  sorted_slots_ptr, BLOCK_M_SMALL, NUM_BINS, FILL)
+                                  sorted_slots_ptr, BLOCK_M_SMALL, NUM_BINS, FILL, RANGE_FILL)
                     tl.store(num_blocks_ptr, 0)
                 else:
                     _write_layout(counts, bins, num_experts, cursor_ptr, block_end_ptr, num_blocks_ptr,
-                                  sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL)
+                                  sorted_slots_ptr, BLOCK_M, NUM_BINS, FILL, RANGE_FILL)
                     tl.store(num_blocks_ptr + 1, 0)
                 if HAS_HEALTH:
                     tl.atomic_add(health_ptr + 1, tl.sum((in_rows & ~served).to(tl.int64)), sem="relaxed")
-                # cursor was stored by other threads of this program: order those stores first.
+                # cursor (and with RANGE_FILL the -1 of every used position) was stored by other
+                # threads of this program: order those stores first.
                 tl.debug_barrier()
                 _scatter(expert, served, slots, cursor_ptr, sorted_slots_ptr)
         else:
@@ -357,6 +379,7 @@ def dispatch_into(
         NUM_BINS=bins, ATOMIC_COUNT=wide and bins >= ATOMIC_COUNT_BINS,
         FILL=min(block_m, small[0] if small else block_m, _PADDING_FILL),
         HAS_NUM_VALID_PTR=has_nv_ptr, HAS_HEALTH=health is not None, USE_PDL=use_pdl, **lent,
+        RANGE_FILL=RANGE_PADDING_FILL,
         num_warps=num_warps, **launch_options(use_pdl),
     )
     if grid > 1:
