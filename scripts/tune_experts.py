@@ -316,7 +316,7 @@ PREFILL_G2: list[Tiles] = [
 # fewer re-reads of x), two-warp decode tiles and deeper pipelines. Environment, not an argument,
 # so the precompile worker processes see the same candidate lists.
 WIDE_ENV = "SAFEMOE_TUNE_WIDE"
-# --search-fused: every bucket that can run fused (T*K <= FUSED_SLOTS) has its candidates timed
+# --search-fused: every bucket that can run fused (`fused_bucket`) has its candidates timed
 # fused whatever its incumbent (an env var, as WIDE_ENV, so the precompile workers plan the same)
 SEARCH_FUSED_ENV = "SAFEMOE_TUNE_SEARCH_FUSED"
 WIDE_DECODE_G1: list[Tiles] = [
@@ -1043,8 +1043,8 @@ def heuristic_tiles(name: str, num_tokens: int, quant: str | None) -> ExpertsCon
 
 
 def search_fused(incumbent: ExpertsConfig | None, num_tokens: int, top_k: int) -> bool:
-    """Whether a bucket's candidates are timed fused: it takes the few-slot path fused (T*K <=
-    FUSED_SLOTS) and its incumbent is fused, or --search-fused asks for it (SEARCH_FUSED_ENV), so
+    """Whether a bucket's candidates are timed fused: it takes the few-slot path fused
+    (`fused_bucket`) and its incumbent is fused, or --search-fused asks for it (SEARCH_FUSED_ENV), so
     the tiles are searched as the bucket would run (the fused launch has one num_stages and
     occupancy for both GEMMs: its best tiles need not be the two launches'; H200 2026-12-02:
     gpt-oss T = 8 fused 31% slower with its entry's tiles, 1.8% faster with wider ones). The
@@ -1451,7 +1451,7 @@ def run_one_launch(
 
 def fused_buckets(configs: dict[int, ExpertsConfig], top_k: int) -> list[int]:
     """The buckets of `configs` whose `fused` is timed: every call takes the few-slot path there
-    (T*K <= FEW_SLOTS) or would, fused (T*K <= FUSED_SLOTS), the path not turned off."""
+    (T*K <= FEW_SLOTS) or would, fused (`fused_bucket`), the path not turned off."""
     return [bucket for bucket in sorted(configs) if fused_bucket(bucket, top_k) and configs[bucket].few]
 
 
@@ -1854,8 +1854,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused", action="store_true",
                         help="do not time fused (few-slot winners get fused off)")
     parser.add_argument("--search-fused", action="store_true",
-                        help="time the candidates of buckets of up to 32 slots fused, whatever their "
-                             "incumbent")
+                        help="time the candidates of the buckets that can run fused (up to 64 slots) "
+                             "fused, whatever their incumbent")
     parser.add_argument("--interleave-only", action="store_true",
                         help="decide GEMM1's interleave for the device table's prefill entries (--tokens: "
                         "those buckets), other fields kept")
@@ -2093,12 +2093,11 @@ def fused_only(args: argparse.Namespace, names: list[str], start: float) -> int:
     winners: dict[str, dict[str, Any]] = {}
     for name in names:
         key, entries = _shape_entries(table, name)
-        configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()
-                   if buckets is None or int(b) in buckets}
+        whole = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
+        configs = {b: cfg for b, cfg in whole.items() if buckets is None or b in buckets}
         timed = fused_buckets(configs, SHAPES[name][1])
         print(f"{name}: fused timed at T = {timed} ({key} in {path})", flush=True)
         w13, w2 = make_weights(name, device)
-        whole = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
         for bucket, (choice, med) in run_fused(name, w13, w2, configs, log, deadline, whole).items():
             entry = {**entries[str(bucket)], "fused": choice, "fused_us": med}
             winners.setdefault(key, {})[str(bucket)] = entry

@@ -127,6 +127,8 @@ def fused_bucket(num_tokens: int, top_k: int) -> bool:
     config is `fused` (K <= FEW_SLOTS and T*K <= fused_slots()): the one rule experts_triton,
     few_tiles_from and scripts/tune_experts.py apply."""
     return top_k <= FEW_SLOTS and num_tokens * top_k <= fused_slots()
+
+
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 # fp8 block mode: 128x128 weight blocks, 1x128 activation groups (reference.FP8_BLOCK)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
@@ -1640,8 +1642,8 @@ def experts_triton(
         operands = Fp8Operands(fp8, workspace.fp8_views(num_tokens, num_experts, top_k, hidden, inter, group))
     few = None
     if few_config is not None:
-        # a fused bucket of up to FUSED_SLOTS slots with its own tiles as few_config: every batch
-        # takes the fused launch with FUSED_SLOTS-row tiles
+        # a fused bucket (`fused_bucket`) with its own tiles as few_config: every batch takes the
+        # fused launch (packed 16-row tiles, or with PACK_FUSED_ROWS off FUSED_SLOTS-row ones)
         only = num_tokens * top_k <= FEW_SLOTS or (
             few_config.fused and few_config == config and fused_bucket(num_tokens, top_k))
         few = FewSlots(few_config, ids, num_valid, health, only, ids_complete)
