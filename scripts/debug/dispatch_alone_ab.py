@@ -9,8 +9,9 @@ device tensor, CUDA-graph replay over 8 seeded routings) with `kernels.dispatch.
 each pair's median per point (and its change from the first pair); a third field sets
 `ATOMIC_COUNT_BINS` (the bins from which slots are counted with atomics, not tl.histogram), a
 fourth `MANY_BINS_WARPS` (the warps of a one-program launch of at most CHUNK slots with 1024 bins
-or more: Qwen3-Next's decode dispatch, e.g. 4096/8/1024/16) and a fifth `RANGE_PADDING_FILL` (1:
-a one-program layout's -1 padding written as one range, e.g. 4096/8/1024/4/1). 1024/4
+or more: Qwen3-Next's decode dispatch, e.g. 4096/8/1024/16) and a fifth `RANGE_PADDING_FILL`
+(0: the per-bin fill; 1, shipped: a one-program layout's -1 padding written as one range, e.g.
+4096/8/1024/4/0). 1024/4
 is the dispatch before the change: one program only up to one 1024-slot chunk, count + scatter
 launches past it. With T*K <= ALONE_SLOTS the grid is one program of ALONE_WARPS warps holding
 every slot as one chunk and there is no scatter launch. Also checks that every pair gives the same
@@ -46,13 +47,13 @@ DEFAULT_POINTS = ["qwen3:256", "qwen3:512", "qwen3:1024", "qwen3:1024:1", "gptos
 def set_alone(pair: str) -> None:
     """SLOTS/WARPS[/BINS[/MANY_BINS_WARPS[/RANGE_FILL]]]: ALONE_SLOTS, ALONE_WARPS,
     ATOMIC_COUNT_BINS (default 1024), MANY_BINS_WARPS (default 4: the warps of a decode-sized
-    program with 1024 bins or more, E = 512) and RANGE_PADDING_FILL (0 or 1, default 0: a
+    program with 1024 bins or more, E = 512) and RANGE_PADDING_FILL (0 or 1, default 1, as shipped: a
     one-program layout's padding written as one range)."""
     slots, warps, *rest = pair.split("/")
     dispatch.ALONE_SLOTS, dispatch.ALONE_WARPS = int(slots), int(warps)
     dispatch.ATOMIC_COUNT_BINS = int(rest[0]) if rest else 1024
     dispatch.MANY_BINS_WARPS = int(rest[1]) if len(rest) > 1 else 4
-    dispatch.RANGE_PADDING_FILL = bool(int(rest[2])) if len(rest) > 2 else False
+    dispatch.RANGE_PADDING_FILL = bool(int(rest[2])) if len(rest) > 2 else True
 
 
 def dispatch_step(point: str, device: torch.device) -> Callable[[int], torch.Tensor]:

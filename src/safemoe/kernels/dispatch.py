@@ -80,15 +80,21 @@ ATOMIC_COUNT_BINS = 1024
 # 8% of that step; a CPU compile for sm_90 gives the 1024-bin program 2.6x the 256-bin one's
 # straight-line code. `scripts/debug/dispatch_alone_ab.py` sets it (fourth field).
 MANY_BINS = 1024
+# Warps of a one-program launch whose chunk is at most CHUNK (decode) with this many bins or more
+# (E = 512: Qwen3-Next). Timed on an H200 (2026-12-02, dispatch alone under graph replay, E = 512
+# K = 10 T = 8): 16 warps took 22.1 us against 4 warps' 10.7 with the per-bin fill, 11.0 against
+# 4.7 with the range fill below; 4 stays. An A/B switch (`scripts/debug/dispatch_alone_ab.py`,
+# fourth field).
 MANY_BINS_WARPS = 4
 # A layout built by one program (T*K <= ALONE_SLOTS, or a batch of at most CHUNK valid slots)
 # writes its -1 padding as one contiguous range, [0, M-blocks * BLOCK_M), before its scatter
 # overwrites the real slots' positions, instead of per bin ([NUM_BINS, FILL] masked stores, most of
-# them masked off at decode). An A/B switch, off (the launch as it is). Compiled for sm_90 on this
-# CPU, the per-bin fill is most of a 4-warp decode program's straight-line code (E = 512: 4358 PTX
-# lines, 2355 with the range fill; E = 128: 1493 and 820); only a GPU says what that costs.
-# `scripts/debug/dispatch_alone_ab.py` sets it (fifth field).
-RANGE_PADDING_FILL = False
+# them masked off at decode, and most of the program's code: 4358 against 2355 sm_90 PTX lines at
+# E = 512). On since 2026-12-02: on an H200 the dispatch alone went 10.70 -> 4.70 us at E = 512
+# K = 10 T = 8 and 2.99 -> 2.36 at E = 128 K = 8 T = 8; the whole Qwen3-Next layer 135.5 -> 129.2
+# us at T = 8, 558.7 -> 546.8 at T = 64; Qwen3's level. False is the per-bin fill, kept as the A/B
+# side (`scripts/debug/dispatch_alone_ab.py`, fifth field) and tested with every dispatch case.
+RANGE_PADDING_FILL = True
 # Positions a step of that range fill writes.
 _RANGE_FILL_STEP: tl.constexpr = tl.constexpr(1024)
 _PADDING_FILL = 16  # padding positions written per step of the scan's fill loop
