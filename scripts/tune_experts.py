@@ -130,6 +130,7 @@ from safemoe.configs import (  # noqa: E402
     GemmTiles,
     device_file,
     load_device_configs,
+    load_small_batch_configs,
     shape_key,
     token_bucket,
 )
@@ -555,10 +556,12 @@ class Dependent(NamedTuple):
 
 
 def tiles_with(table: dict[int, ExpertsConfig], dependent: ExpertsConfig, num_tokens: int, top_k: int,
-               fallback: Callable[[int], ExpertsConfig]) -> tuple[ExpertsConfig | None, ExpertsConfig | None]:
+               fallback: Callable[[int], ExpertsConfig], small_pin: ExpertsConfig | None = None
+               ) -> tuple[ExpertsConfig | None, ExpertsConfig | None]:
     """(small-batch tiles, few-slot tiles) a bucket of T tokens with config `dependent` runs by the
     rules of `small_batch_config` and `few_slots_config`, read from `table` ({bucket: config};
-    `fallback(T)` where no bucket serves T: the heuristic)."""
+    `fallback(T)` where no bucket serves T: the heuristic) and `small_pin` (the shape's "small_batch"
+    entry, which replaces SMALL_BATCH_TOKENS' bucket as the small-batch source)."""
     from safemoe.configs import nearest_bucket
     from safemoe.kernels.experts import few_slots_bucket
 
@@ -568,7 +571,7 @@ def tiles_with(table: dict[int, ExpertsConfig], dependent: ExpertsConfig, num_to
 
     small = None
     if num_tokens > SMALL_BATCH_TOKENS:
-        candidate = lookup(SMALL_BATCH_TOKENS)
+        candidate = small_pin if small_pin is not None else lookup(SMALL_BATCH_TOKENS)
         small = candidate if candidate.block_m < dependent.block_m else None
     few = None
     if top_k <= FEW_SLOTS and dependent.few and num_tokens * top_k > FEW_SLOTS:
@@ -578,23 +581,40 @@ def tiles_with(table: dict[int, ExpertsConfig], dependent: ExpertsConfig, num_to
 
 
 def dependents(bucket: int, top_k: int, sources: tuple[ExpertsConfig, ExpertsConfig],
-               table: dict[int, ExpertsConfig], fallback: Callable[[int], ExpertsConfig]) -> list[Dependent]:
+               table: dict[int, ExpertsConfig], fallback: Callable[[int], ExpertsConfig],
+               small_pin: ExpertsConfig | None = None) -> list[Dependent]:
     """The padded steps whose tiles change when `bucket`'s entry goes from sources[0] to
     sources[1]: of the table's buckets up to FEW_MAX_TOKENS above `bucket`, the largest whose
     few-slot tiles (one valid row) and the largest whose small-batch tiles (SMALL_BATCH_TOKENS
     rows) differ between the two (`tiles_with`). A few-slot or small-batch source bucket's tiles
     run those steps with the larger bucket's launch (H100 2026-11-26: a Mixtral T = 8 re-tune,
     -0.3% on its own, took T = 1024's one-row step from 247 to 302 us). `fallback(T)`: the tiles
-    of a T no bucket serves (the heuristic's)."""
+    of a T no bucket serves (the heuristic's). With `small_pin` (the shape's "small_batch" entry)
+    no small-batch step depends on any bucket."""
     found: dict[int, Dependent] = {}
     for larger in sorted(b for b in table if bucket < b <= FEW_MAX_TOKENS):
-        old, new = (tiles_with({**table, bucket: source}, table[larger], larger, top_k, fallback)
+        old, new = (tiles_with({**table, bucket: source}, table[larger], larger, top_k, fallback, small_pin)
                     for source in sources)
         if old[1] != new[1]:
             found[ONE_LAUNCH_ONE_ROW] = Dependent(larger, table[larger], ONE_LAUNCH_ONE_ROW)
         if old[0] != new[0]:
             found[SMALL_BATCH_TOKENS] = Dependent(larger, table[larger], SMALL_BATCH_TOKENS)
     return list(found.values())
+
+
+def small_batch_split(bucket: int, timings: dict[str, dict[str, float]] | None,
+                      small_pin: ExpertsConfig | None) -> bool:
+    """Whether a winner of SMALL_BATCH_TOKENS' bucket that `check_dependents` refused can take the
+    bucket anyway, with the incumbent written as the shape's "small_batch" entry (the tiles the
+    larger buckets' steps of at most SMALL_BATCH_TOKENS valid rows run, which then stay the
+    incumbent's): the shape has no such entry yet, and every dependent step that got slower is a
+    small-batch one. A slower one-row step (the few-slot tiles, which Mixtral's T = 8 entry also
+    gives) still keeps the incumbent. H200 2026-12-02: gpt-oss T = 8's fused wide search found
+    tiles faster for the bucket, refused because T = 1024's 8-row step went 350.4 -> 374.8 us."""
+    if small_pin is not None or timings is None or bucket != token_bucket(SMALL_BATCH_TOKENS):
+        return False
+    slower = [step for step, t in timings.items() if not dependents_allow({step: t})]
+    return bool(slower) and all(step.endswith(f" num_valid={SMALL_BATCH_TOKENS}") for step in slower)
 
 
 def dependents_allow(timings: dict[str, dict[str, float]], tolerance: float = ONE_LAUNCH_TOLERANCE) -> bool:
@@ -660,24 +680,27 @@ def padded_step_small(case: Case | None, cfg: ExpertsConfig) -> ExpertsConfig | 
 
 
 def small_batch_source(name: str, configs: dict[int, ExpertsConfig], device: torch.device,
-                       quant: str | None = None) -> ExpertsConfig:
+                       quant: str | None = None, small_pin: ExpertsConfig | None = None) -> ExpertsConfig:
     """The config a bucket takes its small-batch tiles from (`small_batch_config`'s source): the
-    SMALL_BATCH_TOKENS bucket's of `configs` (this run's winners) when there is one, else what the
-    device runs for that many tokens today with weights of `quant` (the table's nearest bucket or
-    the heuristic)."""
+    shape's "small_batch" entry (`small_pin`) when it has one, else the SMALL_BATCH_TOKENS bucket's
+    of `configs` (this run's winners) when there is one, else what the device runs for that many
+    tokens today with weights of `quant` (the table's nearest bucket or the heuristic)."""
+    if small_pin is not None:
+        return small_pin
     mine = configs.get(token_bucket(SMALL_BATCH_TOKENS))
     return mine if mine is not None else incumbent_config(name, SMALL_BATCH_TOKENS, quant, device)
 
 
 def one_launch_plan(
-    winners: dict[int, ExpertsConfig], fallback_small: ExpertsConfig
+    winners: dict[int, ExpertsConfig], fallback_small: ExpertsConfig, small_pin: ExpertsConfig | None = None
 ) -> dict[int, ExpertsConfig]:
     """{bucket: small config} for the buckets whose one_launch is worth timing: the same rule as
     `safemoe.kernels.experts.small_batch_config` (T above SMALL_BATCH_TOKENS, small BLOCK_M below
     the bucket's), with the small config taken from `winners` (this run's, or the table's) at
     SMALL_BATCH_TOKENS' bucket, else `fallback_small` (what get_config picks for that many tokens
-    on the device: the table's nearest bucket or the heuristic)."""
-    small = winners.get(token_bucket(SMALL_BATCH_TOKENS), fallback_small)
+    on the device: the table's nearest bucket or the heuristic), or `small_pin`, the shape's
+    "small_batch" entry, when it has one."""
+    small = winners.get(token_bucket(SMALL_BATCH_TOKENS), fallback_small) if small_pin is None else small_pin
     return {
         bucket: small
         for bucket, cfg in sorted(winners.items())
@@ -689,8 +712,11 @@ def merge_device_json(existing: dict[str, Any], payload: dict[str, Any]) -> dict
     """The device file after --write: payload's metadata, its config entries replacing the same
     (shape, bucket) entries whole (one_launch included; `few` is kept where the existing entry
     turned it off, a choice this script does not time), every other entry and top-level key of
-    `existing` ("batch_invariant", "notes") kept."""
-    merged = {**existing, **{k: v for k, v in payload.items() if k != "configs"}}
+    `existing` ("batch_invariant", "notes") kept; payload's "small_batch" entries replace the same
+    shapes' and keep the others'."""
+    merged = {**existing, **{k: v for k, v in payload.items() if k not in ("configs", "small_batch")}}
+    if "small_batch" in payload:
+        merged["small_batch"] = {**existing.get("small_batch", {}), **payload["small_batch"]}
     configs = {key: dict(buckets) for key, buckets in existing.get("configs", {}).items()}
     for key, buckets in payload["configs"].items():
         old = configs.setdefault(key, {})
@@ -1176,7 +1202,8 @@ def _timed(
 
 def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case, cfg: ExpertsConfig,
                      us: float, table: dict[int, ExpertsConfig], log: list[dict[str, Any]],
-                     deadline: float) -> tuple[ExpertsConfig, float, dict[str, dict[str, float]] | None]:
+                     deadline: float, small_pin: ExpertsConfig | None = None
+                     ) -> tuple[ExpertsConfig, float, dict[str, dict[str, float]] | None]:
     """(config, us, dependent timings) to write for case's bucket: the winner `cfg`, unless it
     replaces an incumbent whose tiles other buckets' padded steps also run (`dependents`) and one
     of those steps gets slower with it by more than ONE_LAUNCH_TOLERANCE, or cannot be timed: then
@@ -1190,11 +1217,11 @@ def check_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case,
     def fallback(tokens: int) -> ExpertsConfig:
         return heuristic_tiles(name, tokens, case.quant)
 
-    found = dependents(bucket, top_k, (incumbent, cfg), table, fallback)
+    found = dependents(bucket, top_k, (incumbent, cfg), table, fallback, small_pin)
     if not found:
         return cfg, us, None
     timings = time_dependents(name, w13, w2, bucket, (incumbent, cfg), found, table, fallback, log, deadline,
-                              fp8=case.fp8)
+                              fp8=case.fp8, small_pin=small_pin)
     if timings is not None and dependents_allow(timings):
         return cfg, us, timings
     incumbent_us = next((t for t, c in case.ranked if c == incumbent), None)
@@ -1304,8 +1331,8 @@ def _hybrid_holds(case: Case, incumbent: ExpertsConfig, hybrid: ExpertsConfig, l
 def time_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int,
                     sources: tuple[ExpertsConfig, ExpertsConfig], found: list[Dependent],
                     table: dict[int, ExpertsConfig], fallback: Callable[[int], ExpertsConfig],
-                    log: list[dict[str, Any]], deadline: float, fp8: Any = None
-                    ) -> dict[str, dict[str, float]] | None:
+                    log: list[dict[str, Any]], deadline: float, fp8: Any = None,
+                    small_pin: ExpertsConfig | None = None) -> dict[str, dict[str, float]] | None:
     """{step: {"incumbent": us, "winner": us}}: each dependent padded step timed with `bucket`'s
     entry as sources[0] (the incumbent) and sources[1] (the winner), ONE_LAUNCH_ROUNDS interleaved
     rounds, medians; None when the budget runs out or a timing fails. fp8: the Fp8Weights of
@@ -1315,7 +1342,7 @@ def time_dependents(name: str, w13: torch.Tensor, w2: torch.Tensor, bucket: int,
     for dep in found:
         case = Case(name, w13, w2, dep.bucket, fp8=fp8)
         est = estimate_us(name, dep.num_valid)
-        tiles = [tiles_with({**table, bucket: source}, dep.config, dep.bucket, top_k, fallback)
+        tiles = [tiles_with({**table, bucket: source}, dep.config, dep.bucket, top_k, fallback, small_pin)
                  for source in sources]
         times: dict[str, list[float]] = {"incumbent": [], "winner": []}
         for _ in range(ONE_LAUNCH_ROUNDS):
@@ -1383,14 +1410,16 @@ OneLaunchPlan = dict[int, tuple[ExpertsConfig, ExpertsConfig]]  # {bucket: (conf
 
 
 def one_launch_targets(
-    name: str, configs: dict[int, ExpertsConfig], device: torch.device, buckets: set[int] | None = None
+    name: str, configs: dict[int, ExpertsConfig], device: torch.device, buckets: set[int] | None = None,
+    small_pin: ExpertsConfig | None = None
 ) -> OneLaunchPlan:
     """The buckets of `configs` whose one_launch is timed (`one_launch_plan` with the device's
-    config for SMALL_BATCH_TOKENS tokens as the fallback small config; only `buckets` when given)."""
+    config for SMALL_BATCH_TOKENS tokens as the fallback small config, or the shape's "small_batch"
+    entry `small_pin`; only `buckets` when given)."""
     fallback = small_batch_source(name, {}, device)
     return {
         bucket: (configs[bucket], small)
-        for bucket, small in one_launch_plan(configs, fallback).items()
+        for bucket, small in one_launch_plan(configs, fallback, small_pin).items()
         if buckets is None or bucket in buckets
     }
 
@@ -1953,6 +1982,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device_name = torch.cuda.get_device_name(device)
     table_entries = load_device_configs(device_name)  # the table as it was before this run
+    # the shapes' "small_batch" entries: the device file's, then this run's (`small_batch_split`)
+    small_pins: dict[str, ExpertsConfig] = dict(load_small_batch_configs(device_name))
+    small_entries: dict[str, dict[str, Any]] = {}
     deadline = time.time() + args.budget_s
     log: list[dict[str, Any]] = []
     winners: dict[str, dict[str, Any]] = {}
@@ -1971,15 +2003,29 @@ def main(argv: list[str] | None = None) -> int:
                 break
             case = Case(name, w13, w2, num_tokens, fp8=fp8, incumbent=incumbents[name, num_tokens],
                         heuristic=heuristics[name, num_tokens], replace_margin=args.replace_margin)
-            case.small_source = small_batch_source(name, tuned, device, args.quant)
+            case.small_source = small_batch_source(name, tuned, device, args.quant, small_pins.get(key))
             best = tune_case(case, log, deadline)
             if best is None:
                 continue
             cfg, us = best
             cfg, us, padded = padded_steps_hold(case, cfg, us, log, deadline)
+            winner, winner_us = cfg, us
             # other buckets' padded steps that run this bucket's small-batch or few-slot tiles
             cfg, us, checked = check_dependents(name, w13, w2, case, cfg, us, table_entries.get(key, {}),
-                                                log, deadline)
+                                                log, deadline, small_pins.get(key))
+            if cfg is not winner and case.incumbent is not None and small_batch_split(
+                    token_bucket(num_tokens), checked, small_pins.get(key)):
+                small_pins[key] = case.incumbent
+                small_entries[key] = {
+                    **case.incumbent.to_json(),
+                    "source": f"T = {token_bucket(num_tokens)}'s entry before the run of "
+                              f"{time.strftime('%Y-%m-%d', time.gmtime())}, kept for the larger buckets' "
+                              f"small-batch steps, which its winner slowed",
+                    "dependents_us": checked,
+                }
+                print(f"  {name} T={num_tokens}: the winner takes the bucket; its incumbent stays the larger "
+                      f"buckets' small-batch tiles (\"small_batch\" entry): {checked}", flush=True)
+                cfg, us = winner, winner_us
             data = cfg.to_json()
             data["us"] = round(us, 2)
             if checked is not None:
@@ -1997,7 +2043,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"          breakdown (cumulative us): {parts}", flush=True)
             del case
         if not args.no_one_launch and args.quant is None:
-            plan = one_launch_targets(name, tuned, device)
+            plan = one_launch_targets(name, tuned, device, small_pin=small_pins.get(key))
             if not args.no_precompile:
                 precompile_one_launch({name: plan}, args.jobs)
             decided = run_one_launch(name, w13, w2, plan, log, deadline)
@@ -2028,6 +2074,8 @@ def main(argv: list[str] | None = None) -> int:
     # An fp8 run's metadata goes under its own key: the top-level one describes the bf16 tiles.
     meta: dict[str, Any] = run if args.quant is None else {f"fp8_{args.quant}_run": run}
     payload = {**meta, "configs": winners}
+    if small_entries:
+        payload["small_batch"] = small_entries
     _write_results(args, device_name, payload, {"breakdown": breakdown, "log": log})
     print(f"tuned {len(log)} timings in {time.time() - start:.0f} s")
     return 0

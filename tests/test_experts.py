@@ -1335,6 +1335,45 @@ def test_few_slots_config_choice() -> None:
     assert few_slots_config(1, num_experts, hidden, inter, 17, dtype, dev, own) is None
 
 
+def test_small_batch_config_reads_the_device_files_small_batch_entry(monkeypatch) -> None:
+    """A bucket above SMALL_BATCH_TOKENS runs its small-batch steps with the device file's
+    "small_batch" entry for the shape when it has one (block_k capped at 128 in fp8 block mode),
+    else with the SMALL_BATCH_TOKENS bucket's entry, which keeps serving its own batches."""
+    import safemoe.configs as configs
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS, small_batch_config
+
+    def tiles(n: int, k: int) -> dict:
+        return {"block_n": n, "block_k": k, "group_m": 1, "num_warps": 4, "num_stages": 3, "tma": False}
+
+    own = {"block_m": 16, "gemm1": tiles(32, 128), "gemm2": tiles(64, 128)}
+    pinned = {"block_m": 16, "gemm1": tiles(64, 256), "gemm2": tiles(128, 256), "source": "kept"}
+    big = {"block_m": 64, "gemm1": tiles(128, 64), "gemm2": tiles(128, 64)}
+    shape = (128, 2048, 768, 8, torch.bfloat16)
+    key, fp8_key = configs.shape_key(*shape), configs.shape_key(*shape, "block")
+    entries = {str(SMALL_BATCH_TOKENS): own, "1024": big}
+    device_file = {"configs": {key: entries, fp8_key: entries}, "small_batch": {key: pinned, fp8_key: pinned}}
+    monkeypatch.setattr(configs, "_device_json", lambda name: device_file)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU small_batch")
+    for cached in (configs.load_device_configs, configs.load_small_batch_configs):
+        cached.cache_clear()
+    cuda = torch.device("cuda")
+    try:
+        main = configs.get_config(1024, *shape, cuda)
+        small = small_batch_config(1024, *shape, cuda, main)
+        assert small == configs.ExpertsConfig.from_json(pinned)
+        assert configs.get_config(SMALL_BATCH_TOKENS, *shape, cuda) == configs.ExpertsConfig.from_json(own)
+        assert small_batch_config(SMALL_BATCH_TOKENS, *shape, cuda, main) is None
+        fp8 = small_batch_config(1024, *shape, cuda, main, "block")
+        assert fp8 is not None and (fp8.gemm1.block_k, fp8.gemm2.block_k) == (128, 128)
+        del device_file["small_batch"]
+        configs.load_small_batch_configs.cache_clear()
+        assert small_batch_config(1024, *shape, cuda, main) == configs.ExpertsConfig.from_json(own)
+        assert configs.small_batch_entry(*shape, torch.device("cpu")) is None
+    finally:
+        configs.load_device_configs.cache_clear()
+        configs.load_small_batch_configs.cache_clear()
+
+
 @interpreter_only(INTERPRETER_ONLY)
 def test_all_tokens_to_one_expert() -> None:
     gen = torch.Generator().manual_seed(12)

@@ -325,6 +325,19 @@ def test_write_merge_keeps_one_launch_and_other_keys():
         assert ExpertsConfig.from_json(_cfg(64, one_launch=flag).to_json()).one_launch is flag
 
 
+def test_write_merge_small_batch_entries_by_shape():
+    """payload's "small_batch" entries replace the same shapes' and keep the others'; a payload
+    without any leaves the section as it was."""
+    tune = _load()
+    a, b = "E128_H2048_I768_K8_bfloat16", "E8_H4096_I14336_K2_bfloat16"
+    existing = {"configs": {}, "small_batch": {a: _cfg(16).to_json(), b: _cfg(16).to_json()}}
+    payload = {"configs": {}, "small_batch": {a: {**_cfg(32).to_json(), "source": "run"}}}
+    merged = tune.merge_device_json(existing, payload)["small_batch"]
+    assert merged[a]["block_m"] == 32 and merged[b] == existing["small_batch"][b]
+    assert existing["small_batch"][a]["block_m"] == 16, "existing is not modified"
+    assert tune.merge_device_json(existing, {"configs": {}})["small_batch"] == existing["small_batch"]
+
+
 def test_write_merge_keeps_few_turned_off():
     """`few` off in the existing entry (a measured choice the script does not time) survives a
     re-tune of the bucket; an entry without that choice takes the payload's."""
@@ -1225,7 +1238,8 @@ def test_dependents_of_an_fp8_bucket_run_on_fp8_weights(monkeypatch):
     assert made == [(64, weights)]
     assert out == {f"T=64 num_valid={tune.SMALL_BATCH_TOKENS}": {"incumbent": 10.0, "winner": 10.0}}
 
-    def fake_time(name, w13, w2, bucket, sources, found, table, fallback, log, deadline, fp8=None):
+    def fake_time(name, w13, w2, bucket, sources, found, table, fallback, log, deadline, fp8=None,
+                  small_pin=None):
         fallbacks.append((fp8, fallback(4096)))
         return {"step": {"incumbent": 10.0, "winner": 10.0}}
 
@@ -1282,6 +1296,105 @@ def test_dependents_are_the_padded_steps_a_source_bucket_serves():
     assert tune.dependents(8, 2, (old, old), table, fallback) == []
 
 
+def test_a_small_batch_pin_takes_the_small_batch_steps_off_the_bucket():
+    """With the shape's "small_batch" entry, the larger buckets' small-batch steps run its tiles,
+    whatever SMALL_BATCH_TOKENS' bucket holds: re-tuning that bucket changes only the few-slot
+    steps it serves (Mixtral, K = 2: T = 8 is also few_slots_bucket(2)), and the run's sources of
+    small-batch tiles (the search's, one_launch's plan) are the pin."""
+    tune = _load()
+
+    def fallback(tokens):
+        raise AssertionError(f"every T here has a tuned bucket, asked for {tokens}")
+
+    old, new, pin = _decode_cfg(64), _decode_cfg(16), _decode_cfg(128)
+    big = _cfg(128, few=True)
+    table = {1: _decode_cfg(32), 8: old, 64: _cfg(32, few=True), 1024: big}
+    small, few = tune.tiles_with({**table, 8: new}, big, 1024, 2, fallback, pin)
+    assert small is pin and few is new
+    found = tune.dependents(8, 2, (old, new), table, fallback, pin)
+    assert [(d.bucket, d.num_valid) for d in found] == [(1024, 1)]
+    assert tune.dependents(8, 8, (old, new), table, fallback, pin) == [], "K = 8: T = 8 serves no few step"
+    cpu = tune.torch.device("cpu")
+    assert tune.small_batch_source("qwen3", {8: new}, cpu, None, pin) is pin
+    plan = tune.one_launch_plan({8: new, 1024: big}, old, pin)
+    assert plan == {1024: pin}
+
+
+def test_small_batch_split_rule():
+    """A refused winner of SMALL_BATCH_TOKENS' bucket takes it with the incumbent pinned only when
+    every slower dependent step is a small-batch step and the shape has no pin yet."""
+    tune = _load()
+    eight = f"T=1024 num_valid={tune.SMALL_BATCH_TOKENS}"
+    one = "T=1024 num_valid=1"
+    slower = {"incumbent": 350.43, "winner": 374.76}  # gpt-oss T = 8, H200 2026-12-02
+    level = {"incumbent": 60.0, "winner": 60.3}
+    bucket = tune.token_bucket(tune.SMALL_BATCH_TOKENS)
+    assert tune.small_batch_split(bucket, {eight: slower}, None)
+    assert tune.small_batch_split(bucket, {eight: slower, one: level}, None)
+    assert not tune.small_batch_split(bucket, {eight: slower, one: slower}, None), "a one-row step slowed"
+    assert not tune.small_batch_split(bucket, {one: slower}, None)
+    assert not tune.small_batch_split(bucket, {eight: level}, None), "nothing slower: nothing to split"
+    assert not tune.small_batch_split(bucket, {eight: slower}, _decode_cfg(64)), "already pinned"
+    assert not tune.small_batch_split(bucket, None, None), "not timed"
+    assert not tune.small_batch_split(bucket // 2, {eight: slower}, None), "another bucket"
+
+
+def test_main_pins_the_incumbent_when_a_small_batch_winner_slows_larger_steps(monkeypatch, tmp_path, capsys):
+    """gpt-oss T = 8 on the H200 (2026-12-02): the search's winner was faster for the bucket and
+    slowed T = 1024's 8-row step. The run writes the winner for T = 8 and the incumbent as the
+    shape's "small_batch" entry; a later run with that entry times no small-batch step."""
+    tune = _load()
+    path = _fake_gpu(monkeypatch, tmp_path, tune)
+    key = "E4_H64_I32_K2_bfloat16"
+    old, new, newer = _decode_cfg(64), _decode_cfg(16), _decode_cfg(32)
+    big = _cfg(128, few=False)
+    entries = {"8": old.to_json(), "1024": big.to_json()}
+    path.write_text(json.dumps({"notes": "kept", "configs": {key: entries}}))
+    table = {8: old, 1024: big}
+    pins: dict = {}
+    monkeypatch.setattr(tune, "load_device_configs", lambda name: {key: table})
+    monkeypatch.setattr(tune, "load_small_batch_configs", lambda name: pins)
+    monkeypatch.setattr(tune, "incumbent_config", lambda name, tokens, quant, device: table[tokens])
+    winner = {"cfg": new}
+
+    def fake_tune(case, log, deadline):
+        case.ranked = [(40.0, winner["cfg"]), (45.0, case.incumbent)]
+        return winner["cfg"], 40.0
+
+    timed = []
+
+    def fake_dependents(name, w13, w2, bucket, sources, found, table_, fallback, log, deadline, fp8=None,
+                        small_pin=None):
+        timed.append(sorted((d.bucket, d.num_valid) for d in found))
+        slower = {"incumbent": 350.43, "winner": 374.76}
+        return {f"T={d.bucket} num_valid={d.num_valid}": slower for d in found}
+
+    monkeypatch.setattr(tune, "tune_case", fake_tune)
+    monkeypatch.setattr(tune, "time_dependents", fake_dependents)
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "tiny", "--tokens", "8", "--no-precompile",
+            "--no-one-launch", "--no-fused", "--write"]
+    assert tune.main(argv) == 0
+    assert timed == [[(1024, tune.SMALL_BATCH_TOKENS)]]
+    data = json.loads(path.read_text())
+    assert ExpertsConfig.from_json(data["configs"][key]["8"]) == new
+    assert data["configs"][key]["8"]["us"] == 40.0
+    pinned = data["small_batch"][key]
+    assert ExpertsConfig.from_json(pinned) == old and "kept for the larger buckets" in pinned["source"]
+    assert pinned["dependents_us"] == {f"T=1024 num_valid={tune.SMALL_BATCH_TOKENS}":
+                                       {"incumbent": 350.43, "winner": 374.76}}
+    assert "its incumbent stays the larger buckets' small-batch tiles" in capsys.readouterr().out
+    # the next run: the pin serves the small-batch steps, so a new winner for T = 8 is not checked
+    # against them (K = 2: T = 8 also gives T = 1024 its few-slot tiles, off in its entry here)
+    pins[key] = old
+    table[8], winner["cfg"] = new, newer
+    timed.clear()
+    assert tune.main(argv) == 0
+    assert timed == []
+    data = json.loads(path.read_text())
+    assert ExpertsConfig.from_json(data["configs"][key]["8"]) == newer
+    assert ExpertsConfig.from_json(data["small_batch"][key]) == old, "the pin as it was"
+
+
 def test_check_dependents_keeps_the_incumbent_when_a_served_step_slows(monkeypatch):
     import torch
 
@@ -1301,7 +1414,8 @@ def test_check_dependents_keeps_the_incumbent_when_a_served_step_slows(monkeypat
     same = {step: {"incumbent": 247.4, "winner": 248.0}}
     calls = []
 
-    def fake_time(name, w13, w2, bucket, sources, found, table_, fallback, log, deadline, fp8=None):
+    def fake_time(name, w13, w2, bucket, sources, found, table_, fallback, log, deadline, fp8=None,
+                  small_pin=None):
         assert fp8 is None  # bf16 weights: the steps run bf16
         calls.append((bucket, sources, sorted((d.bucket, d.num_valid) for d in found)))
         return result

@@ -21,6 +21,14 @@ Batch-invariant mode (`batch_invariant=True`, see docs/contract.md) runs one con
 every T: `batch_invariant_config`, the device file's top-level `"batch_invariant"` entry for the
 shape key (`{"batch_invariant": {"E128_H2048_I768_K8_bfloat16": {...config...}}}`) when it has
 one, else the configuration `get_config` picks for BATCH_INVARIANT_TOKENS tokens.
+
+A batch bucket larger than the small-batch bucket (kernels/experts.py SMALL_BATCH_TOKENS) runs its
+steps of that many valid rows or fewer with small-batch tiles: `small_batch_entry`, the device
+file's top-level `"small_batch"` entry for the shape key (same form as "batch_invariant") when it
+has one, else the small-batch bucket's own entry. The top-level entry lets that bucket keep tiles
+that are best for its own batches while the larger buckets' small steps keep the tiles that are
+best inside their launches (`scripts/tune_experts.py` writes it when a winner for the bucket would
+slow those steps).
 """
 
 from __future__ import annotations
@@ -208,6 +216,26 @@ def load_device_configs(device_name: str) -> dict[str, dict[int, ExpertsConfig]]
     for key, buckets in raw.get("configs", {}).items():
         table[key] = {int(b): ExpertsConfig.from_json(cfg) for b, cfg in buckets.items()}
     return table
+
+
+@functools.lru_cache(maxsize=16)
+def load_small_batch_configs(device_name: str) -> dict[str, ExpertsConfig]:
+    """{shape key: config} of the device file's top-level "small_batch" entries ({} without)."""
+    raw = _device_json(device_name).get("small_batch", {})
+    return {key: ExpertsConfig.from_json(entry) for key, entry in raw.items()}
+
+
+def small_batch_entry(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                      device: torch.device, quant: str | None = None) -> ExpertsConfig | None:
+    """The device file's "small_batch" config for these shapes (block_k capped at 128 in fp8 block
+    mode), or None (off CUDA, or no such entry: the small-batch bucket's own config serves)."""
+    if device.type != "cuda":
+        return None
+    cfg = load_small_batch_configs(torch.cuda.get_device_name(device)).get(
+        shape_key(num_experts, hidden, inter, top_k, dtype, quant))
+    if cfg is not None and quant == "block":
+        cfg = limit_block_k(cfg, 128)
+    return cfg
 
 
 # Graphs of buckets up to here replay padded decode steps, which are all launches: the tuner puts

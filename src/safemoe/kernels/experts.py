@@ -56,6 +56,7 @@ from safemoe.configs import (
     few_tiles_within,
     get_config,
     has_table,
+    small_batch_entry,
 )
 from safemoe.kernels.act_quant import quantize_positions_into, quantize_rows_into, quantize_tile_rows
 from safemoe.kernels.combine import combine_into
@@ -1431,8 +1432,13 @@ def small_batch_config(num_tokens: int, num_experts: int, hidden: int, inter: in
     larger, when the batch's own tiles are of another regime (a larger BLOCK_M): a graph captured
     for 1024 rows then replays a decode step with decode tiles instead of prefill tiles. Between
     two decode configs the switch stays off: its two extra (empty) launches cost ~2% at T = 64 on
-    the Qwen3 shape (H200, run 2)."""
+    the Qwen3 shape (H200, run 2). The small-batch tiles are the device file's "small_batch" entry
+    for the shapes when it has one (`safemoe.configs.small_batch_entry`), else the config of
+    SMALL_BATCH_TOKENS tokens."""
     def source() -> ExpertsConfig:
+        pinned = small_batch_entry(num_experts, hidden, inter, top_k, dtype, device, quant)
+        if pinned is not None:
+            return pinned
         return get_config(SMALL_BATCH_TOKENS, num_experts, hidden, inter, top_k, dtype, device, quant)
 
     return small_tiles_from(num_tokens, cfg, source)
