@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Debug (issue 13, prepared in the twenty-sixth session, not yet run): gpt-oss T = 8 with a
+# "small_batch" entry. On the H200 (2026-12-02) the fused wide search found T = 8 tiles faster for
+# the bucket, refused because T = 8's entry is also the small-batch tiles of every larger gpt-oss
+# bucket (T = 1024 with 8 valid rows 350.4 -> 374.8 us). The tuner now keeps such a winner and
+# writes the incumbent as the shape's top-level "small_batch" entry (`small_batch_split`). In one
+# device call (~5 min):
+#  1. the tune, written to the device table (the table before it kept under $OUT);
+#  2. the whole layer at T = 8 and at T = 1024 with 8 valid rows, the new table against the T = 8
+#     entry of the old one (`ab_entry.py`; with the pin, T = 1024's 8-row step runs the old tiles
+#     on both sides, so it should be level);
+#  3. `safemoe bench --suite layer --shapes gpt-oss-120b` for the verdict (target: T = 8 >= 95%).
+# MIXTRAL=1 also runs the wide tune of Mixtral T = 256 (the (256, 64, 8, 4) GEMM1 tile from vLLM's
+# H200 table), without --write.
+#   OUT=/tmp/x bash scripts/debug/small_batch_pin.sh
+set -u
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:?set OUT}
+table=$(python -c "import torch; from safemoe.configs import device_file; print(device_file(torch.cuda.get_device_name()))")
+cp "$table" "$OUT/table_before.json"
+timeout 240 python scripts/tune_experts.py --out "$OUT/tune" --shapes gptoss --tokens 8 --search-fused --wide \
+  --write > "$OUT/tune.log" 2>&1
+echo "tune rc=$?"
+grep -v "^\s*$" "$OUT/tune.log" | cut -c1-700 | tail -12
+cp "$table" "$OUT/table_after.json"
+python - "$OUT" <<'PY'
+import json, sys
+before, after = (json.load(open(f"{sys.argv[1]}/table_{s}.json")) for s in ("before", "after"))
+key = "E128_H2880_I2880_K4_bfloat16"
+print("T = 8 before:", json.dumps({k: v for k, v in before["configs"][key]["8"].items() if k in ("gemm1", "gemm2", "fused")}))
+print("T = 8 after: ", json.dumps({k: v for k, v in after["configs"][key]["8"].items() if k in ("gemm1", "gemm2", "fused")}))
+print("small_batch:", json.dumps(after.get("small_batch", {}).get(key)))
+PY
+{
+  timeout 120 python scripts/debug/ab_entry.py gptoss 8 8 "$OUT/table_before.json" --rounds 5
+  timeout 120 python scripts/debug/ab_entry.py gptoss 1024:8 8 "$OUT/table_before.json" --rounds 3
+} 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
+timeout 200 python -m safemoe bench --suite layer --shapes gpt-oss-120b --out "$OUT/layer" > "$OUT/layer.log" 2>&1
+echo "bench rc=$?"
+grep -E "^\| (decode|padding)" "$OUT/layer/layer_targets.md"
+if [ -n "${MIXTRAL:-}" ]; then
+  timeout 300 python scripts/tune_experts.py --out "$OUT/tune_mixtral" --shapes mixtral --tokens 256 --wide \
+    --budget-s 240 2>&1 | grep -v "^\s*$" | cut -c1-700 | tail -8
+fi
