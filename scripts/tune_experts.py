@@ -1657,12 +1657,13 @@ def programs_buckets(entries: dict[str, Any], top_k: int, chosen: set[int] | Non
 
 
 def decide_programs(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case, cfg: ExpertsConfig,
-                    table: dict[int, ExpertsConfig], log: list[dict[str, Any]], deadline: float
-                    ) -> tuple[ExpertsConfig, dict[str, Any]] | None:
+                    table: dict[int, ExpertsConfig], log: list[dict[str, Any]], deadline: float,
+                    small_pin: ExpertsConfig | None = None) -> tuple[ExpertsConfig, dict[str, Any]] | None:
     """(config kept, {candidate: median us}, plus the dependent padded steps' timings when the
     bucket's tiles also run larger buckets' steps) at case's T. The fastest grid size wins when
     it beats the entry by more than PROGRAMS_MARGIN and leaves those steps within
-    ONE_LAUNCH_TOLERANCE (`check_dependents`). None when the budget runs out or a timing fails."""
+    ONE_LAUNCH_TOLERANCE (`check_dependents`; `small_pin`, the shape's "small_batch" entry, serves
+    the small-batch steps). None when the budget runs out or a timing fails."""
     candidates = programs_candidates(cfg)
     med = time_candidates(case, candidates, "programs", log, deadline, cfg.extra.get("us"))
     if med is None:
@@ -1674,7 +1675,7 @@ def decide_programs(name: str, w13: torch.Tensor, w2: torch.Tensor, case: Case, 
     case.incumbent = cfg
     case.ranked = [(med[n], c) for n, c in candidates.items()]
     kept, _, timings = check_dependents(name, w13, w2, case, candidates[best], med[best], table, log,
-                                        deadline)
+                                        deadline, small_pin)
     if timings is not None:
         record["dependents"] = timings
     return kept, record
@@ -1826,9 +1827,10 @@ def programs_only(args: argparse.Namespace, names: list[str], start: float) -> i
             continue
         w13, w2 = make_weights(name, device)
         configs = {int(b): ExpertsConfig.from_json(data) for b, data in entries.items()}
+        small_pin = load_small_batch_configs(device_name).get(key)
         for bucket in buckets:
             case = Case(name, w13, w2, bucket)
-            decided = decide_programs(name, w13, w2, case, configs[bucket], configs, log, deadline)
+            decided = decide_programs(name, w13, w2, case, configs[bucket], configs, log, deadline, small_pin)
             del case
             if decided is None:
                 print(f"  {name} T={bucket}: programs_per_sm not measured (budget spent or a timing "
