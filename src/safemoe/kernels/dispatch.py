@@ -74,17 +74,11 @@ FUSE_X_QUANT = True
 # histogram.
 ATOMIC_COUNT_BINS = 1024
 # Warps of a one-program launch whose chunk is at most CHUNK (decode) with this many bins or more
-# (E = 512: Qwen3-Next): its histogram, scan and padding fill are per-bin work, spread over the
-# program's threads. An A/B switch at 4, the launch as it was: in the H200 layer (2026-12-02,
-# eager kernel times) Qwen3-Next T = 8's dispatch took 10.8 us where Qwen3's (256 bins) took 3.0,
-# 8% of that step; a CPU compile for sm_90 gives the 1024-bin program 2.6x the 256-bin one's
-# straight-line code. `scripts/debug/dispatch_alone_ab.py` sets it (fourth field).
+# (E = 512: Qwen3-Next): its histogram and scan are per-bin work, spread over the program's
+# threads. Timed on an H200 (2026-12-02, dispatch alone under graph replay, E = 512 K = 10 T = 8):
+# 16 warps took 22.1 us against 4 warps' 10.7 with the per-bin padding fill, 11.0 against 4.7 with
+# the range fill below; 4 stays. An A/B switch (`scripts/debug/dispatch_alone_ab.py`, fourth field).
 MANY_BINS = 1024
-# Warps of a one-program launch whose chunk is at most CHUNK (decode) with this many bins or more
-# (E = 512: Qwen3-Next). Timed on an H200 (2026-12-02, dispatch alone under graph replay, E = 512
-# K = 10 T = 8): 16 warps took 22.1 us against 4 warps' 10.7 with the per-bin fill, 11.0 against
-# 4.7 with the range fill below; 4 stays. An A/B switch (`scripts/debug/dispatch_alone_ab.py`,
-# fourth field).
 MANY_BINS_WARPS = 4
 # A layout built by one program (T*K <= ALONE_SLOTS, or a batch of at most CHUNK valid slots)
 # writes its -1 padding as one contiguous range, [0, M-blocks * BLOCK_M), before its scatter
