@@ -10,6 +10,9 @@
 #     entry of the old one (`ab_entry.py`; with the pin, T = 1024's 8-row step runs the old tiles
 #     on both sides, so it should be level);
 #  3. `safemoe bench --suite layer --shapes gpt-oss-120b` for the verdict (target: T = 8 >= 95%).
+#  4. the E = 512 decode dispatch at 4 / 8 warps with the range fill (the twenty-sixth session
+#     timed 4 and 16 only: 16 was 1.6x slower), alone and in the Qwen3-Next layer at T = 8 / 64
+#     (93.3% of the floor at T = 64 in run 31; the dispatch alone is 7.5 us of its 542).
 # MIXTRAL=1 also runs the wide tune of Mixtral T = 256 (the (256, 64, 8, 4) GEMM1 tile from vLLM's
 # H200 table), without --write.
 #   OUT=/tmp/x bash scripts/debug/small_batch_pin.sh
@@ -38,6 +41,13 @@ PY
 timeout 200 python -m safemoe bench --suite layer --shapes gpt-oss-120b --out "$OUT/layer" > "$OUT/layer.log" 2>&1
 echo "bench rc=$?"
 grep -E "^\| (decode|padding)" "$OUT/layer/layer_targets.md"
+settings=(4096/8/1024/4/1 4096/8/1024/8/1)
+{
+  timeout 100 python scripts/debug/dispatch_alone_ab.py --dispatch-only --rounds 5 \
+    512:10:8 512:10:64 512:10:1024:8 --alone "${settings[@]}"
+  timeout 150 python scripts/debug/dispatch_alone_ab.py --rounds 5 \
+    qwen3next:8 qwen3next:64 --alone "${settings[@]}"
+} 2>&1 | grep -v -i warn | tee "$OUT/dispatch_warps.txt"
 if [ -n "${MIXTRAL:-}" ]; then
   timeout 300 python scripts/tune_experts.py --out "$OUT/tune_mixtral" --shapes mixtral --tokens 256 --wide \
     --budget-s 240 2>&1 | grep -v "^\s*$" | cut -c1-700 | tail -8
