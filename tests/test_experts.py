@@ -1354,7 +1354,8 @@ def test_small_batch_config_reads_the_device_files_small_batch_entry(monkeypatch
     device_file = {"configs": {key: entries, fp8_key: entries}, "small_batch": {key: pinned, fp8_key: pinned}}
     monkeypatch.setattr(configs, "_device_json", lambda name: device_file)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU small_batch")
-    for cached in (configs.load_device_configs, configs.load_small_batch_configs):
+    caches = (configs.load_device_configs, configs.load_small_batch_configs, configs._small_batch_entry)
+    for cached in caches:
         cached.cache_clear()
     cuda = torch.device("cuda")
     try:
@@ -1366,12 +1367,31 @@ def test_small_batch_config_reads_the_device_files_small_batch_entry(monkeypatch
         fp8 = small_batch_config(1024, *shape, cuda, main, "block")
         assert fp8 is not None and (fp8.gemm1.block_k, fp8.gemm2.block_k) == (128, 128)
         del device_file["small_batch"]
-        configs.load_small_batch_configs.cache_clear()
+        for cached in caches:
+            cached.cache_clear()
         assert small_batch_config(1024, *shape, cuda, main) == configs.ExpertsConfig.from_json(own)
         assert configs.small_batch_entry(*shape, torch.device("cpu")) is None
     finally:
-        configs.load_device_configs.cache_clear()
-        configs.load_small_batch_configs.cache_clear()
+        for cached in caches:
+            cached.cache_clear()
+
+
+def test_small_batch_entry_rejects_bad_arguments() -> None:
+    """The "small_batch" lookup names the argument it cannot use, before any table is read."""
+    from safemoe.configs import small_batch_entry
+
+    cpu = torch.device("cpu")
+    with pytest.raises(TypeError, match=r"device must be a torch\.device"):
+        small_batch_entry(128, 2048, 768, 8, torch.bfloat16, "cuda")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype"):
+        small_batch_entry(128, 2048, 768, 8, "bf16", cpu)  # type: ignore[arg-type]
+    for bad in ({"num_experts": 0}, {"hidden": 2.0}, {"top_k": True}):
+        args = {"num_experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, **bad}
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an int >= 1"):
+            small_batch_entry(**args, dtype=torch.bfloat16, device=cpu)
+    with pytest.raises(ValueError, match="quant must be None or one of"):
+        small_batch_entry(128, 2048, 768, 8, torch.bfloat16, cpu, "int4")
+    assert small_batch_entry(128, 2048, 768, 8, torch.bfloat16, cpu) is None
 
 
 @interpreter_only(INTERPRETER_ONLY)

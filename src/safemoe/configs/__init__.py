@@ -225,19 +225,6 @@ def load_small_batch_configs(device_name: str) -> dict[str, ExpertsConfig]:
     return {key: ExpertsConfig.from_json(entry) for key, entry in raw.items()}
 
 
-def small_batch_entry(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
-                      device: torch.device, quant: str | None = None) -> ExpertsConfig | None:
-    """The device file's "small_batch" config for these shapes (block_k capped at 128 in fp8 block
-    mode), or None (off CUDA, or no such entry: the small-batch bucket's own config serves)."""
-    if device.type != "cuda":
-        return None
-    cfg = load_small_batch_configs(torch.cuda.get_device_name(device)).get(
-        shape_key(num_experts, hidden, inter, top_k, dtype, quant))
-    if cfg is not None and quant == "block":
-        cfg = limit_block_k(cfg, 128)
-    return cfg
-
-
 # Graphs of buckets up to here replay padded decode steps, which are all launches: the tuner puts
 # PDL on every candidate up to it (and on none above: gpt-oss T = 8192 was 3-4% slower with it,
 # H100), and the heuristic does the same. H100 2026-11-24, Qwen3 T = 1024 with one valid row 46.0
@@ -468,9 +455,9 @@ def _table_entries(num_experts: int, hidden: int, inter: int, top_k: int, dtype:
     return table.get(shape_key(num_experts, hidden, inter, top_k, dtype, quant), {})
 
 
-def has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
-              device: torch.device, quant: str | None = None) -> bool:
-    """Whether `device`'s table has tuned entries for this shape (False off CUDA)."""
+def _check_shape_query(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                       device: torch.device, quant: str | None) -> None:
+    """The arguments of a table question (`has_table`, `small_batch_entry`), checked before any lookup."""
     if not isinstance(device, torch.device):
         raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
     if not isinstance(dtype, torch.dtype):
@@ -480,6 +467,12 @@ def has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torc
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if quant not in (None, *QUANT_MODES):
         raise ValueError(f"quant must be None or one of {QUANT_MODES}, got {quant!r}")
+
+
+def has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+              device: torch.device, quant: str | None = None) -> bool:
+    """Whether `device`'s table has tuned entries for this shape (False off CUDA)."""
+    _check_shape_query(num_experts, hidden, inter, top_k, dtype, device, quant)
     return _has_table(num_experts, hidden, inter, top_k, dtype, device, quant)
 
 
@@ -487,6 +480,26 @@ def has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torc
 def _has_table(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
                device: torch.device, quant: str | None) -> bool:
     return bool(_table_entries(num_experts, hidden, inter, top_k, dtype, device, quant))
+
+
+def small_batch_entry(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                      device: torch.device, quant: str | None = None) -> ExpertsConfig | None:
+    """The device file's "small_batch" config for these shapes (block_k capped at 128 in fp8 block
+    mode), or None (off CUDA, or no such entry: the small-batch bucket's own config serves)."""
+    _check_shape_query(num_experts, hidden, inter, top_k, dtype, device, quant)
+    return _small_batch_entry(num_experts, hidden, inter, top_k, dtype, device, quant)
+
+
+@functools.lru_cache(maxsize=256)  # asked every forward of a bucket above the small-batch bucket
+def _small_batch_entry(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                       device: torch.device, quant: str | None) -> ExpertsConfig | None:
+    if device.type != "cuda":
+        return None
+    cfg = load_small_batch_configs(torch.cuda.get_device_name(device)).get(
+        shape_key(num_experts, hidden, inter, top_k, dtype, quant))
+    if cfg is not None and quant == "block":
+        cfg = limit_block_k(cfg, 128)
+    return cfg
 
 
 def _lookup_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
