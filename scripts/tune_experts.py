@@ -617,6 +617,21 @@ def small_batch_split(bucket: int, timings: dict[str, dict[str, float]] | None,
     return bool(slower) and all(step.endswith(f" num_valid={SMALL_BATCH_TOKENS}") for step in slower)
 
 
+def small_batch_pin_entry(case: Case, timings: dict[str, dict[str, float]] | None) -> dict[str, Any]:
+    """The shape's "small_batch" entry when `small_batch_split` lets case's winner take its bucket:
+    the incumbent's config, why it is kept, and the dependent steps' timings (printed too)."""
+    assert case.incumbent is not None
+    bucket = token_bucket(case.num_tokens)
+    print(f"  {case.name} T={case.num_tokens}: the winner takes the bucket; its incumbent stays the larger "
+          f"buckets' small-batch tiles (\"small_batch\" entry): {timings}", flush=True)
+    return {
+        **case.incumbent.to_json(),
+        "source": f"T = {bucket}'s entry before the run of {time.strftime('%Y-%m-%d', time.gmtime())}, kept "
+                  "for the larger buckets' small-batch steps, which its winner slowed",
+        "dependents_us": timings,
+    }
+
+
 def dependents_allow(timings: dict[str, dict[str, float]], tolerance: float = ONE_LAUNCH_TOLERANCE) -> bool:
     """True when no dependent padded step ({step: {"incumbent": us, "winner": us}}) gets slower by
     more than `tolerance` with the winner's tiles."""
@@ -2018,15 +2033,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg is not winner and case.incumbent is not None and small_batch_split(
                     token_bucket(num_tokens), checked, small_pins.get(key)):
                 small_pins[key] = case.incumbent
-                small_entries[key] = {
-                    **case.incumbent.to_json(),
-                    "source": f"T = {token_bucket(num_tokens)}'s entry before the run of "
-                              f"{time.strftime('%Y-%m-%d', time.gmtime())}, kept for the larger buckets' "
-                              f"small-batch steps, which its winner slowed",
-                    "dependents_us": checked,
-                }
-                print(f"  {name} T={num_tokens}: the winner takes the bucket; its incumbent stays the larger "
-                      f"buckets' small-batch tiles (\"small_batch\" entry): {checked}", flush=True)
+                small_entries[key] = small_batch_pin_entry(case, checked)
                 cfg, us = winner, winner_us
             data = cfg.to_json()
             data["us"] = round(us, 2)
