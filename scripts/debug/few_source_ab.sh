@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Debug (issue 13, prepared in the twenty-seventh session, not yet run): the one-valid-row padded
+# step of a large bucket runs the few-slot tiles of few_slots_bucket(K) (gpt-oss K = 4: T = 4's
+# entry; Qwen3 K = 8: T = 2's), compiled into the large bucket's launches. gpt-oss's T = 4 entry is
+# a copy of the old T = 8 tiles; T = 1's re-tune of 2026-12-02 (TMA loads, GEMM2 32 x 128, 4
+# stages) made T = 1 5.7% faster in the layer and left the padding ratio at 1.13x (64.0 / 56.7 us;
+# 1.1x needs the padded step under ~62.4). Here T = 4's entry (Qwen3: T = 2's) takes T = 1's GEMM
+# tiles in an "other" table, A/B'd inside the whole layer (`ab_entry.py`, interleaved) on the steps
+# it serves: the few-slot bucket itself, and one valid row in the 64, 256 and 1024 buckets.
+#   OUT=/tmp/x [TUNE=1] bash scripts/debug/few_source_ab.sh
+set -u
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:?set OUT}
+table=$(python -c "import torch; from safemoe.configs import device_file; print(device_file(torch.cuda.get_device_name()))")
+python - "$table" "$OUT" <<'PY'
+import json, sys
+table, out = sys.argv[1], sys.argv[2]
+for shape, key, few in (("gptoss", "E128_H2880_I2880_K4_bfloat16", "4"), ("qwen3", "E128_H2048_I768_K8_bfloat16", "2")):
+    data = json.load(open(table))
+    entries = data["configs"][key]
+    entries[few] = {**entries[few], "gemm1": entries["1"]["gemm1"], "gemm2": entries["1"]["gemm2"]}
+    print(shape, f"T = {few} other:", json.dumps({k: entries[few][k] for k in ("gemm1", "gemm2", "fused")}))
+    json.dump(data, open(f"{out}/other_{shape}.json", "w"), indent=1)
+PY
+{
+  for step in 4 1024:1 256:1 64:1; do
+    timeout 90 python scripts/debug/ab_entry.py gptoss "$step" 4 "$OUT/other_gptoss.json" --rounds 5
+  done
+  for step in 2 1024:1 256:1; do
+    timeout 90 python scripts/debug/ab_entry.py qwen3 "$step" 2 "$OUT/other_qwen3.json" --rounds 5
+  done
+} 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
+# TUNE=1: also the tuner's own search of gpt-oss T = 4 (no --write), whose dependents check times
+# the 1024 bucket's one-row step with each winner.
+if [ -n "${TUNE:-}" ]; then
+  timeout 200 python scripts/tune_experts.py --out "$OUT/tune4" --shapes gptoss --tokens 4 --search-fused --wide \
+    2>&1 | grep -v "^\s*$" | cut -c1-600 | tail -8
+  rm -f "$OUT"/tune4/*.json
+fi
