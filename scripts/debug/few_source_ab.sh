@@ -7,7 +7,7 @@
 # 1.1x needs the padded step under ~62.4). Here T = 4's entry (Qwen3: T = 2's) takes T = 1's GEMM
 # tiles in an "other" table, A/B'd inside the whole layer (`ab_entry.py`, interleaved) on the steps
 # it serves: the few-slot bucket itself, and one valid row in the 64, 256 and 1024 buckets.
-#   OUT=/tmp/x [TUNE=1] bash scripts/debug/few_source_ab.sh
+#   OUT=/tmp/x [TUNE=1] [QUICK=1] bash scripts/debug/few_source_ab.sh
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:?set OUT}
@@ -22,12 +22,15 @@ for shape, key, few in (("gptoss", "E128_H2880_I2880_K4_bfloat16", "4"), ("qwen3
     print(shape, f"T = {few} other:", json.dumps({k: entries[few][k] for k in ("gemm1", "gemm2", "fused")}))
     json.dump(data, open(f"{out}/other_{shape}.json", "w"), indent=1)
 PY
+# QUICK=1: gpt-oss's T = 4 and 1024-bucket one-row step only, 3 rounds (~1 min)
+gptoss_steps="4 1024:1 256:1 64:1"; qwen3_steps="2 1024:1 256:1"; rounds=5
+if [ -n "${QUICK:-}" ]; then gptoss_steps="1024:1 4"; qwen3_steps=""; rounds=3; fi
 {
-  for step in 4 1024:1 256:1 64:1; do
-    timeout 90 python scripts/debug/ab_entry.py gptoss "$step" 4 "$OUT/other_gptoss.json" --rounds 5
+  for step in $gptoss_steps; do
+    timeout 90 python scripts/debug/ab_entry.py gptoss "$step" 4 "$OUT/other_gptoss.json" --rounds $rounds
   done
-  for step in 2 1024:1 256:1; do
-    timeout 90 python scripts/debug/ab_entry.py qwen3 "$step" 2 "$OUT/other_qwen3.json" --rounds 5
+  for step in $qwen3_steps; do
+    timeout 90 python scripts/debug/ab_entry.py qwen3 "$step" 2 "$OUT/other_qwen3.json" --rounds $rounds
   done
 } 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
 # TUNE=1: also the tuner's own search of gpt-oss T = 4 (no --write), whose dependents check times
