@@ -9,21 +9,8 @@
 #     old entry (`ab_entry.py`);
 #  3. `safemoe bench --suite layer --shapes gpt-oss-120b` for the verdict.
 #   OUT=/tmp/x bash scripts/debug/decode_t1_retune.sh
-set -u
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:?set OUT}
-table=$(python -c "import torch; from safemoe.configs import device_file; print(device_file(torch.cuda.get_device_name()))")
-cp "$table" "$OUT/table_before.json"
-timeout 200 python scripts/tune_experts.py --out "$OUT/tune" --shapes gptoss --tokens 1 --search-fused --wide \
-  --write > "$OUT/tune.log" 2>&1
-echo "tune rc=$?"
-grep -v "^\s*$" "$OUT/tune.log" | cut -c1-700 | tail -10
-cp "$table" "$OUT/table_after.json"
-{
-  timeout 100 python scripts/debug/ab_entry.py gptoss 1 1 "$OUT/table_before.json" --rounds 5
-  timeout 100 python scripts/debug/ab_entry.py gptoss 1024:1 1 "$OUT/table_before.json" --rounds 3
-} 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
-timeout 120 python -m safemoe bench --suite layer --shapes gpt-oss-120b --out "$OUT/layer" > "$OUT/layer.log" 2>&1
-echo "bench rc=$?"
-grep -E "^\| (decode|padding)" "$OUT/layer/layer_targets.md"
+source "$(dirname "$0")/tune_write.sh"
+tune_write 200 10 --shapes gptoss --tokens 1 --search-fused --wide
+layer_ab gptoss 1 1/5 1024:1/3
+shape_bench gpt-oss-120b 120
 rm -f "$OUT/layer/layer.png" "$OUT"/tune/*.json

@@ -5,16 +5,8 @@
 # and A/B'd in the layer; Mixtral and DeepSeek-V3 are timed without --write (T = 1 is their
 # padding targets' denominator: 1.05x / 1.09x in run 32).
 #   OUT=/tmp/x bash scripts/debug/decode_t1_retune_more.sh
-set -u
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:?set OUT}
-table=$(python -c "import torch; from safemoe.configs import device_file; print(device_file(torch.cuda.get_device_name()))")
-cp "$table" "$OUT/table_before.json"
-timeout 150 python scripts/tune_experts.py --out "$OUT/tune" --shapes qwen3,qwen3next --tokens 1 --search-fused --wide \
-  --write > "$OUT/tune.log" 2>&1
-echo "tune rc=$?"
-grep -v "^\s*$" "$OUT/tune.log" | cut -c1-600 | tail -8
-cp "$table" "$OUT/table_after.json"
+source "$(dirname "$0")/tune_write.sh"
+tune_write 150 8 --shapes qwen3,qwen3next --tokens 1 --search-fused --wide
 {
   timeout 60 python scripts/debug/ab_entry.py qwen3 1 1 "$OUT/table_before.json" --rounds 5
   timeout 60 python scripts/debug/ab_entry.py qwen3next 1 1 "$OUT/table_before.json" --rounds 5

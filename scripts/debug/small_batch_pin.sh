@@ -16,16 +16,8 @@
 # MIXTRAL=1 also runs the wide tune of Mixtral T = 256 (the (256, 64, 8, 4) GEMM1 tile from vLLM's
 # H200 table), without --write.
 #   OUT=/tmp/x bash scripts/debug/small_batch_pin.sh
-set -u
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:?set OUT}
-table=$(python -c "import torch; from safemoe.configs import device_file; print(device_file(torch.cuda.get_device_name()))")
-cp "$table" "$OUT/table_before.json"
-timeout 240 python scripts/tune_experts.py --out "$OUT/tune" --shapes gptoss --tokens 8 --search-fused --wide \
-  --write > "$OUT/tune.log" 2>&1
-echo "tune rc=$?"
-grep -v "^\s*$" "$OUT/tune.log" | cut -c1-700 | tail -12
-cp "$table" "$OUT/table_after.json"
+source "$(dirname "$0")/tune_write.sh"
+tune_write 240 12 --shapes gptoss --tokens 8 --search-fused --wide
 python - "$OUT" <<'PY'
 import json, sys
 before, after = (json.load(open(f"{sys.argv[1]}/table_{s}.json")) for s in ("before", "after"))
@@ -34,13 +26,8 @@ print("T = 8 before:", json.dumps({k: v for k, v in before["configs"][key]["8"].
 print("T = 8 after: ", json.dumps({k: v for k, v in after["configs"][key]["8"].items() if k in ("gemm1", "gemm2", "fused")}))
 print("small_batch:", json.dumps(after.get("small_batch", {}).get(key)))
 PY
-{
-  timeout 120 python scripts/debug/ab_entry.py gptoss 8 8 "$OUT/table_before.json" --rounds 5
-  timeout 120 python scripts/debug/ab_entry.py gptoss 1024:8 8 "$OUT/table_before.json" --rounds 3
-} 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
-timeout 200 python -m safemoe bench --suite layer --shapes gpt-oss-120b --out "$OUT/layer" > "$OUT/layer.log" 2>&1
-echo "bench rc=$?"
-grep -E "^\| (decode|padding)" "$OUT/layer/layer_targets.md"
+layer_ab gptoss 8 8/5 1024:8/3
+shape_bench gpt-oss-120b 200
 settings=(4096/8/1024/4/1 4096/8/1024/8/1)
 {
   timeout 100 python scripts/debug/dispatch_alone_ab.py --dispatch-only --rounds 5 \
