@@ -550,6 +550,32 @@ def test_heuristic_block_m_follows_the_tuned_tables() -> None:
     assert all(max(t, h) == 2 * min(t, h) for *_, t, h in off), off
 
 
+def test_shipped_small_batch_entries_serve_a_larger_bucket_and_differ_from_their_source() -> None:
+    """Every top-level "small_batch" entry of a shipped device table is for a tabled shape, holds
+    decode tiles that at least one of the shape's larger buckets runs as its small-batch tiles
+    (BLOCK_M below that bucket's), and differs from the SMALL_BATCH_TOKENS bucket's entry it
+    replaces as their source (else it pins nothing). The H200 table has one since 2026-12-02:
+    gpt-oss, whose T = 8 entry took faster tiles that slowed T = 1024's 8-row step."""
+    from pathlib import Path
+
+    from safemoe.configs import load_device_configs, load_small_batch_configs, nearest_bucket
+    from safemoe.kernels.experts import SMALL_BATCH_TOKENS
+
+    pins = {}
+    for path in sorted((Path(safemoe.__file__).parent / "configs").glob("NVIDIA_*.json")):
+        device_name = path.stem.replace("_", " ")
+        table = load_device_configs(device_name)
+        for key, pin in load_small_batch_configs(device_name).items():
+            pins[(device_name, key)] = pin
+            assert key in table, (device_name, key)
+            buckets = table[key]
+            served = [b for b, cfg in buckets.items() if b > SMALL_BATCH_TOKENS and pin.block_m < cfg.block_m]
+            assert served, (device_name, key, pin)
+            source = buckets[nearest_bucket(SMALL_BATCH_TOKENS, buckets)]
+            assert pin != source, (device_name, key)
+    assert ("NVIDIA H200", "E128_H2880_I2880_K4_bfloat16") in pins
+
+
 def test_heuristic_launch_flags_follow_the_tuned_tables() -> None:
     """PDL exactly where every tuned bf16 entry has it (buckets up to PDL_MAX_TOKENS, whose graphs
     replay padded decode steps), never on a device without it; TMA and the interleaved GEMM1 tile on
