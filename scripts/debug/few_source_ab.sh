@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Debug (issue 13, prepared in the twenty-seventh session, not yet run): the one-valid-row padded
+# Debug (issue 13, twenty-seventh session; QUICK=1 run that session, log
+# bench/results/logs/few_source_ab_NVIDIA-H200_2026-12-02.txt: T = 4 +3.8%, the 1024 bucket's one-row step +10.5%): the one-valid-row padded
 # step of a large bucket runs the few-slot tiles of few_slots_bucket(K) (gpt-oss K = 4: T = 4's
 # entry; Qwen3 K = 8: T = 2's), compiled into the large bucket's launches. gpt-oss's T = 4 entry is
 # a copy of the old T = 8 tiles; T = 1's re-tune of 2026-12-02 (TMA loads, GEMM2 32 x 128, 4

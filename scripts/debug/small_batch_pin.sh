@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Debug (issue 13, prepared in the twenty-sixth session, not yet run): gpt-oss T = 8 with a
+# Debug (issue 13, prepared in the twenty-sixth session, run in the twenty-seventh: log
+# bench/results/logs/small_batch_pin_NVIDIA-H200_2026-12-02.txt): gpt-oss T = 8 with a
 # "small_batch" entry. On the H200 (2026-12-02) the fused wide search found T = 8 tiles faster for
 # the bucket, refused because T = 8's entry is also the small-batch tiles of every larger gpt-oss
 # bucket (T = 1024 with 8 valid rows 350.4 -> 374.8 us). The tuner now keeps such a winner and
