@@ -525,9 +525,9 @@ def confirm_ranking(results: list[tuple[float, ExpertsConfig]],
         return results
     for _ in range(rounds):
         for cfg, times in leaders.items():
-            us = retime(cfg)
-            if us is not None:
-                times.append(us)
+            retimed = retime(cfg)
+            if retimed is not None:
+                times.append(retimed)
     ranked = [(statistics.median(times), cfg) for cfg, times in leaders.items()]
     ranked += [(us, cfg) for us, cfg in results if cfg not in leaders]
     return sorted(ranked, key=lambda r: r[0])
@@ -676,9 +676,9 @@ def prefer_fast_padded_step(case: Case, results: list[tuple[float, ExpertsConfig
     padded = {}
     for index, (_, cfg) in enumerate(close):
         small = padded_step_small(case, cfg)
-        us = _timed(case, cfg, log, "padded_one_row", None, small=small, num_valid=ONE_LAUNCH_ONE_ROW)
-        if us is not None:
-            padded[index] = us
+        one_row_us = _timed(case, cfg, log, "padded_one_row", None, small=small, num_valid=ONE_LAUNCH_ONE_ROW)
+        if one_row_us is not None:
+            padded[index] = one_row_us
     pick = close[choose_for_padded_step({index: us for index, (us, _) in enumerate(close)}, padded)]
     return [pick] + [r for r in results if r is not pick]
 
@@ -1125,11 +1125,11 @@ def tune_case(case: Case, log: list[dict[str, Any]], deadline: float) -> tuple[E
         trial(case.heuristic, "heuristic")
     for block_m, g1s, g2s, group_m in regimes(case.num_tokens, num_experts, top_k, case.quant):
         base2 = _tiles(g2s[0], group_m)
-        timed1 = [
+        tried1 = [
             (trial(ExpertsConfig(block_m, _tiles(t, group_m, *v), base2, **flags), "gemm1"), t, v)
             for t in g1s for v in fp8_variants(case.quant, block_m, t)
         ]
-        timed1 = [(us, t, v) for us, t, v in timed1 if us is not None]
+        timed1 = [(us, t, v) for us, t, v in tried1 if us is not None]
         if not timed1:
             continue
         best1 = _tiles(min(timed1)[1], group_m, *min(timed1)[2])
@@ -1316,9 +1316,10 @@ def padded_hybrids(incumbent: ExpertsConfig, winner: ExpertsConfig) -> list[Expe
     if incumbent.block_m != winner.block_m:
         return []
     hybrids = []
-    for tiles in ({"gemm1": incumbent.gemm1}, {"gemm2": incumbent.gemm2}):
+    for gemm in ("gemm1", "gemm2"):
         try:
-            hybrid = replace(winner, **tiles)
+            hybrid = (replace(winner, gemm1=incumbent.gemm1) if gemm == "gemm1"
+                      else replace(winner, gemm2=incumbent.gemm2))
         except ValueError:  # a pairing ExpertsConfig refuses (its checks are per GEMM today)
             continue
         if hybrid not in (winner, incumbent):
