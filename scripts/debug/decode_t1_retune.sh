@@ -11,6 +11,6 @@
 #   OUT=/tmp/x bash scripts/debug/decode_t1_retune.sh
 source "$(dirname "$0")/tune_write.sh"
 tune_write 200 10 --shapes gptoss --tokens 1 --search-fused --wide
-layer_ab gptoss 1 1/5 1024:1/3
+layer_ab gptoss 1 "$OUT/table_before.json" 1/5 1024:1/3
 shape_bench gpt-oss-120b 120
 rm -f "$OUT/layer/layer.png" "$OUT"/tune/*.json

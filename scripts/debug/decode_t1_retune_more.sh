@@ -7,10 +7,8 @@
 #   OUT=/tmp/x bash scripts/debug/decode_t1_retune_more.sh
 source "$(dirname "$0")/tune_write.sh"
 tune_write 150 8 --shapes qwen3,qwen3next --tokens 1 --search-fused --wide
-{
-  timeout 60 python scripts/debug/ab_entry.py qwen3 1 1 "$OUT/table_before.json" --rounds 5
-  timeout 60 python scripts/debug/ab_entry.py qwen3next 1 1 "$OUT/table_before.json" --rounds 5
-} 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
+layer_ab qwen3 1 "$OUT/table_before.json" 1/5
+layer_ab qwen3next 1 "$OUT/table_before.json" 1/5
 timeout 120 python scripts/tune_experts.py --out "$OUT/tune2" --shapes mixtral,deepseek --tokens 1 --search-fused --wide \
   > "$OUT/tune2.log" 2>&1
 echo "tune2 rc=$?"

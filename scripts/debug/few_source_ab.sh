@@ -9,10 +9,7 @@
 # tiles in an "other" table, A/B'd inside the whole layer (`ab_entry.py`, interleaved) on the steps
 # it serves: the few-slot bucket itself, and one valid row in the 64, 256 and 1024 buckets.
 #   OUT=/tmp/x [TUNE=1] [QUICK=1] bash scripts/debug/few_source_ab.sh
-set -u
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:?set OUT}
-table=$(python -c "import torch; from safemoe.configs import device_file; print(device_file(torch.cuda.get_device_name()))")
+source "$(dirname "$0")/tune_write.sh"
 python - "$table" "$OUT" <<'PY'
 import json, sys
 table, out = sys.argv[1], sys.argv[2]
@@ -24,16 +21,12 @@ for shape, key, few in (("gptoss", "E128_H2880_I2880_K4_bfloat16", "4"), ("qwen3
     json.dump(data, open(f"{out}/other_{shape}.json", "w"), indent=1)
 PY
 # QUICK=1: gpt-oss's T = 4 and 1024-bucket one-row step only, 3 rounds (~1 min)
-gptoss_steps="4 1024:1 256:1 64:1"; qwen3_steps="2 1024:1 256:1"; rounds=5
-if [ -n "${QUICK:-}" ]; then gptoss_steps="1024:1 4"; qwen3_steps=""; rounds=3; fi
-{
-  for step in $gptoss_steps; do
-    timeout 90 python scripts/debug/ab_entry.py gptoss "$step" 4 "$OUT/other_gptoss.json" --rounds $rounds
-  done
-  for step in $qwen3_steps; do
-    timeout 90 python scripts/debug/ab_entry.py qwen3 "$step" 2 "$OUT/other_qwen3.json" --rounds $rounds
-  done
-} 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
+if [ -n "${QUICK:-}" ]; then
+  layer_ab gptoss 4 "$OUT/other_gptoss.json" 1024:1/3 4/3
+else
+  layer_ab gptoss 4 "$OUT/other_gptoss.json" 4/5 1024:1/5 256:1/5 64:1/5
+  layer_ab qwen3 2 "$OUT/other_qwen3.json" 2/5 1024:1/5 256:1/5
+fi
 # TUNE=1: also the tuner's own search of gpt-oss T = 4 (no --write), whose dependents check times
 # the 1024 bucket's one-row step with each winner.
 if [ -n "${TUNE:-}" ]; then

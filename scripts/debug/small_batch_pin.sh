@@ -27,7 +27,7 @@ print("T = 8 before:", json.dumps({k: v for k, v in before["configs"][key]["8"].
 print("T = 8 after: ", json.dumps({k: v for k, v in after["configs"][key]["8"].items() if k in ("gemm1", "gemm2", "fused")}))
 print("small_batch:", json.dumps(after.get("small_batch", {}).get(key)))
 PY
-layer_ab gptoss 8 8/5 1024:8/3
+layer_ab gptoss 8 "$OUT/table_before.json" 8/5 1024:8/3
 shape_bench gpt-oss-120b 200
 settings=(4096/8/1024/4/1 4096/8/1024/8/1)
 {

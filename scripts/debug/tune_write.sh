@@ -1,5 +1,5 @@
-# Sourced by the debug scripts that re-tune buckets on the GPU and write the device table
-# (small_batch_pin.sh, decode_t1_retune*.sh): the environment, $table (this GPU's device JSON) and
+# Sourced by the debug scripts that re-tune or A/B table entries on the GPU (small_batch_pin.sh,
+# decode_t1_retune*.sh, few_source_ab.sh): the environment, $table (this GPU's device JSON) and
 # `tune_write TIMEOUT_S TAIL_LINES ARGS...`, which keeps the table as it was under
 # $OUT/table_before.json, runs `tune_experts.py --out $OUT/tune --write ARGS...` into
 # $OUT/tune.log, prints its rc and last lines, and keeps the written table as
@@ -19,17 +19,18 @@ tune_write() {
   cp "$table" "$OUT/table_after.json"
 }
 
-# `layer_ab SHAPE BUCKET STEP/ROUNDS...`: each step (T or T:NUM_VALID) of the whole layer with the
-# written table against BUCKET's entry of $OUT/table_before.json (`ab_entry.py`), into $OUT/ab.txt.
+# `layer_ab SHAPE BUCKET OTHER_TABLE STEP/ROUNDS...`: each step (T or T:NUM_VALID) of the whole
+# layer with the device table against BUCKET's entry of OTHER_TABLE (`ab_entry.py`, interleaved
+# rounds), appended to $OUT/ab.txt.
 layer_ab() {
-  local shape=$1 bucket=$2
-  shift 2
+  local shape=$1 bucket=$2 other=$3
+  shift 3
   {
     for step_rounds in "$@"; do
-      timeout 120 python scripts/debug/ab_entry.py "$shape" "${step_rounds%/*}" "$bucket" \
-        "$OUT/table_before.json" --rounds "${step_rounds#*/}"
+      timeout 120 python scripts/debug/ab_entry.py "$shape" "${step_rounds%/*}" "$bucket" "$other" \
+        --rounds "${step_rounds#*/}"
     done
-  } 2>&1 | grep -v -i warn | tee "$OUT/ab.txt"
+  } 2>&1 | grep -v -i warn | tee -a "$OUT/ab.txt"
 }
 
 # `shape_bench BENCH_SHAPE TIMEOUT_S`: `safemoe bench --suite layer` of one shape into $OUT/layer,

@@ -77,7 +77,9 @@ ATOMIC_COUNT_BINS = 1024
 # (E = 512: Qwen3-Next): its histogram and scan are per-bin work, spread over the program's
 # threads. Timed on an H200 (2026-12-02, dispatch alone under graph replay, E = 512 K = 10 T = 8):
 # 16 warps took 22.1 us against 4 warps' 10.7 with the per-bin padding fill, 11.0 against 4.7 with
-# the range fill below; 4 stays. An A/B switch (`scripts/debug/dispatch_alone_ab.py`, fourth field).
+# the range fill below; 8 warps with the range fill 6.40 against 4.72 (T = 64: 8.63 against 7.49;
+# Qwen3-Next layer T = 8 128.3 against 126.8 us); 4 stays, the same as the other decode launches.
+# An A/B switch (`scripts/debug/dispatch_alone_ab.py`, fourth field).
 MANY_BINS = 1024
 MANY_BINS_WARPS = 4
 # A layout built by one program (T*K <= ALONE_SLOTS, or a batch of at most CHUNK valid slots)
