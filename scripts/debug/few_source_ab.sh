@@ -8,7 +8,7 @@
 # 1.1x needs the padded step under ~62.4). Here T = 4's entry (Qwen3: T = 2's) takes T = 1's GEMM
 # tiles in an "other" table, A/B'd inside the whole layer (`ab_entry.py`, interleaved) on the steps
 # it serves: the few-slot bucket itself, and one valid row in the 64, 256 and 1024 buckets.
-#   OUT=/tmp/x [TUNE=1] [QUICK=1] bash scripts/debug/few_source_ab.sh
+#   OUT=/tmp/x [TUNE=1 [TUNE_ONLY=1]] [QUICK=1] bash scripts/debug/few_source_ab.sh
 source "$(dirname "$0")/tune_write.sh"
 python - "$table" "$OUT" <<'PY'
 import json, sys
@@ -20,17 +20,31 @@ for shape, key, few in (("gptoss", "E128_H2880_I2880_K4_bfloat16", "4"), ("qwen3
     print(shape, f"T = {few} other:", json.dumps({k: entries[few][k] for k in ("gemm1", "gemm2", "fused")}))
     json.dump(data, open(f"{out}/other_{shape}.json", "w"), indent=1)
 PY
-# QUICK=1: gpt-oss's T = 4 and 1024-bucket one-row step only, 3 rounds (~1 min)
-if [ -n "${QUICK:-}" ]; then
+# QUICK=1: gpt-oss's T = 4 and 1024-bucket one-row step only, 3 rounds (~1 min); TUNE_ONLY=1:
+# none of these A/Bs, only the TUNE=1 part
+if [ -n "${TUNE_ONLY:-}" ]; then
+  :
+elif [ -n "${QUICK:-}" ]; then
   layer_ab gptoss 4 "$OUT/other_gptoss.json" 1024:1/3 4/3
 else
   layer_ab gptoss 4 "$OUT/other_gptoss.json" 4/5 1024:1/5 256:1/5 64:1/5
   layer_ab qwen3 2 "$OUT/other_qwen3.json" 2/5 1024:1/5 256:1/5
 fi
-# TUNE=1: also the tuner's own search of gpt-oss T = 4 (no --write), whose dependents check times
-# the 1024 bucket's one-row step with each winner.
+# TUNE=1: also the tuner's own search of gpt-oss T = 4, written to the device table (its dependents
+# check times the 1024 bucket's one-row step with each winner and refuses one that slows it), then
+# the whole layer with the new table against T = 4's old entry at T = 4 and that one-row step.
 if [ -n "${TUNE:-}" ]; then
-  timeout 200 python scripts/tune_experts.py --out "$OUT/tune4" --shapes gptoss --tokens 4 --search-fused --wide \
-    2>&1 | grep -v "^\s*$" | cut -c1-600 | tail -8
-  rm -f "$OUT"/tune4/*.json
+  tune_write 230 10 --shapes gptoss --tokens 4 --search-fused --wide
+  if python - "$OUT/table_before.json" "$OUT/table_after.json" <<'PY'
+import json, sys
+tiles = [{k: v for k, v in json.load(open(p))["configs"]["E128_H2880_I2880_K4_bfloat16"]["4"].items()
+          if k in ("block_m", "gemm1", "gemm2", "fused", "one_launch", "programs_per_sm")} for p in sys.argv[1:]]
+sys.exit(0 if tiles[0] != tiles[1] else 1)
+PY
+  then
+    layer_ab gptoss 4 "$OUT/table_before.json" 4/5 1024:1/5
+  else
+    echo "gpt-oss T = 4: the tuner kept the entry's tiles"
+  fi
+  rm -f "$OUT"/tune/*.json
 fi
