@@ -114,7 +114,8 @@ extern "C" __global__ void set_if_at_most(cudaGraphConditionalHandle handle, con
         cubin = b" " * size
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         self._nvrtc_ok(nvrtc, err, "nvrtcGetCUBIN")
-        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # makes torch's (primary) context current on this thread
+        torch.cuda.synchronize()
         self.module = self.call("cuModuleLoadData", driver.cuModuleLoadData(cubin))
         self.kernel = self.call("cuModuleGetFunction",
                                 driver.cuModuleGetFunction(self.module, b"set_if_at_most"))
