@@ -49,8 +49,12 @@ VARIANTS = 4
 
 
 BACKEND = "torch"  # set by main()
-# the memory pool of the graph being captured (`capture`): the cuda-python bodies allocate from it
+# the memory pool of the graph being captured (`time_step`), and the one the cuda-python bodies
+# allocate from: torch refuses a second recording to the capture's own pool ("already recording
+# to mempool_id"), so the bodies get their own, never released while the probe runs (the graphs
+# replay from its blocks; in a library it would be released with the graph)
 POOL: tuple[int, int] | None = None
+BODY_POOL: tuple[int, int] | None = None
 
 
 def torch_if_api() -> str | None:
@@ -199,14 +203,15 @@ extern "C" __global__ void set_if_at_most(cudaGraphConditionalHandle handle, con
         for body_graph, body in zip(bodies, (then_body, else_body), strict=True):
             self.call("cuStreamBeginCaptureToGraph",
                       drv.cuStreamBeginCaptureToGraph(side_handle, body_graph, None, None, 0, mode))
-            with torch.cuda.stream(side):
-                begin(device, POOL)
-                try:
-                    body()
-                finally:
-                    end(device, POOL)
-                    torch._C._cuda_releasePool(device, POOL)
-            self.call("cuStreamEndCapture", drv.cuStreamEndCapture(side_handle))
+            try:
+                with torch.cuda.stream(side):
+                    begin(device, BODY_POOL)
+                    try:
+                        body()
+                    finally:
+                        end(device, BODY_POOL)
+            finally:
+                self.call("cuStreamEndCapture", drv.cuStreamEndCapture(side_handle))
 
 
 DRIVER_IF: DriverIf | None = None
@@ -227,12 +232,12 @@ def time_step(step, n_variants: int = 1, calls_per_graph: int = 10, replays: int
               warmup: int = 3) -> float:
     """Median us per call of step(j) under graph replay (harness.time_graph's method), captured
     into a pool this script knows (POOL), which the cuda-python bodies allocate from."""
-    global POOL
+    global POOL, BODY_POOL
     for j in range(max(warmup, n_variants)):
         step(j % n_variants)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    POOL = torch.cuda.graph_pool_handle()
+    POOL, BODY_POOL = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
     with torch.cuda.graph(graph, pool=POOL):
         for j in range(calls_per_graph):
             step(j % n_variants)
@@ -294,11 +299,11 @@ def shape_case(prefix: str, num_tokens: int, small: int, rounds: int) -> dict:
     for n in (1, num_tokens):
         for make in (plain, conditional):
             out.fill_(float("nan"))
-            global POOL
+            global POOL, BODY_POOL
             graph = torch.cuda.CUDAGraph()
             make(nvs[n])(0)  # warm-up (both bodies eagerly for the conditional step)
             torch.cuda.synchronize()
-            POOL = torch.cuda.graph_pool_handle()
+            POOL, BODY_POOL = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=POOL):
                 make(nvs[n])(0)
             out.fill_(float("nan"))
