@@ -32,7 +32,9 @@ else
 fi
 # TUNE=1: also the tuner's own search of gpt-oss T = 4, written to the device table (its dependents
 # check times the 1024 bucket's one-row step with each winner and refuses one that slows it), then
-# the whole layer with the new table against T = 4's old entry at T = 4 and that one-row step.
+# the whole layer with the new table against T = 4's old entry at T = 4 and that one-row step. Ran
+# (TUNE_ONLY) on the H200 on 2026-12-02: entry kept (winner's one-row step 72.7 us against 62.3); log
+# bench/results/logs/programs_qwen3next_gptoss_t4_NVIDIA-H200_2026-12-02.txt.
 if [ -n "${TUNE:-}" ]; then
   tune_write 230 10 --shapes gptoss --tokens 4 --search-fused --wide
   if python - "$OUT/table_before.json" "$OUT/table_after.json" <<'PY'

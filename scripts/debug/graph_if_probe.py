@@ -22,7 +22,10 @@ Two ways to build the node (--backend, default auto: torch's where this torch ha
   node (CUDA 12.8+) whose two bodies are captured on a side stream with
   cuStreamBeginCaptureToGraph, their allocations routed to the outer graph's memory pool. This is
   how NeMo's CUDA-graph decoders drive conditional nodes from PyTorch (idea from there; written
-  here from the CUDA driver API's documentation).
+  here from the CUDA driver API's documentation). Ran on the H200 on 2026-12-02 (cuda.bindings
+  13.3.1, driver 13.0): bitwise right, one IF/ELSE node ~7.4 us, so the padded steps got slower
+  (log bench/results/logs/graph_if_cudapython_NVIDIA-H200_2026-12-02.json; docs/experts.md,
+  twenty-eighth session).
 
 Usage: PYTHONPATH=src python scripts/debug/graph_if_probe.py [--shapes qwen3,gptoss] [--T 1024]
     [--S 1] [--backend auto|torch|cuda-python] [--no-pdl]
