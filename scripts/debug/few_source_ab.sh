@@ -8,7 +8,7 @@
 # 1.1x needs the padded step under ~62.4). Here T = 4's entry (Qwen3: T = 2's) takes T = 1's GEMM
 # tiles in an "other" table, A/B'd inside the whole layer (`ab_entry.py`, interleaved) on the steps
 # it serves: the few-slot bucket itself, and one valid row in the 64, 256 and 1024 buckets.
-#   OUT=/tmp/x [TUNE=1 [TUNE_ONLY=1]] [QUICK=1] bash scripts/debug/few_source_ab.sh
+#   OUT=/tmp/x [TUNE=1 [TUNE_ONLY=1]] [QUICK=1 | QWEN3_ONLY=1] bash scripts/debug/few_source_ab.sh
 source "$(dirname "$0")/tune_write.sh"
 python - "$table" "$OUT" <<'PY'
 import json, sys
@@ -21,9 +21,11 @@ for shape, key, few in (("gptoss", "E128_H2880_I2880_K4_bfloat16", "4"), ("qwen3
     json.dump(data, open(f"{out}/other_{shape}.json", "w"), indent=1)
 PY
 # QUICK=1: gpt-oss's T = 4 and 1024-bucket one-row step only, 3 rounds (~1 min); TUNE_ONLY=1:
-# none of these A/Bs, only the TUNE=1 part
+# none of these A/Bs, only the TUNE=1 part; QWEN3_ONLY=1: Qwen3's three only
 if [ -n "${TUNE_ONLY:-}" ]; then
   :
+elif [ -n "${QWEN3_ONLY:-}" ]; then
+  layer_ab qwen3 2 "$OUT/other_qwen3.json" 2/5 1024:1/5 256:1/5
 elif [ -n "${QUICK:-}" ]; then
   layer_ab gptoss 4 "$OUT/other_gptoss.json" 1024:1/3 4/3
 else
