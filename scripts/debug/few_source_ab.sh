@@ -39,12 +39,7 @@ fi
 # bench/results/logs/programs_qwen3next_gptoss_t4_NVIDIA-H200_2026-12-02.txt.
 if [ -n "${TUNE:-}" ]; then
   tune_write 230 10 --shapes gptoss --tokens 4 --search-fused --wide
-  if python - "$OUT/table_before.json" "$OUT/table_after.json" <<'PY'
-import json, sys
-tiles = [{k: v for k, v in json.load(open(p))["configs"]["E128_H2880_I2880_K4_bfloat16"]["4"].items()
-          if k in ("block_m", "gemm1", "gemm2", "fused", "one_launch", "programs_per_sm")} for p in sys.argv[1:]]
-sys.exit(0 if tiles[0] != tiles[1] else 1)
-PY
+  if [[ " $(changed_buckets E128_H2880_I2880_K4_bfloat16) " == *" 4 "* ]]
   then
     layer_ab gptoss 4 "$OUT/table_before.json" 4/5 1024:1/5
   else

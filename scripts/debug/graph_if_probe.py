@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 import safemoe
-from safemoe.bench.harness import event_times_us
+from safemoe.bench.harness import time_graph
 from safemoe.workspace import Workspace
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,7 +52,7 @@ VARIANTS = 4
 
 
 BACKEND = "torch"  # set by main()
-# the memory pool of the graph being captured (`time_step`), and the one the cuda-python bodies
+# the memory pool of the graph being captured (`fresh_pools`), and the one the cuda-python bodies
 # allocate from: torch refuses a second recording to the capture's own pool ("already recording
 # to mempool_id"), so the bodies get their own, never released while the probe runs (the graphs
 # replay from its blocks; in a library it would be released with the graph)
@@ -231,22 +231,17 @@ def if_else(num_valid: torch.Tensor, bound: int, then_body, else_body) -> None:
         DRIVER_IF.if_else(num_valid, bound, then_body, else_body)
 
 
-def time_step(step, n_variants: int = 1, calls_per_graph: int = 10, replays: int = 20,
-              warmup: int = 3) -> float:
-    """Median us per call of step(j) under graph replay (harness.time_graph's method), captured
-    into a pool this script knows (POOL), which the cuda-python bodies allocate from."""
+def fresh_pools() -> tuple[int, int]:
+    """New pools for the next capture (POOL) and its cuda-python bodies (BODY_POOL); POOL returned."""
     global POOL, BODY_POOL
-    for j in range(max(warmup, n_variants)):
-        step(j % n_variants)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     POOL, BODY_POOL = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
-    with torch.cuda.graph(graph, pool=POOL):
-        for j in range(calls_per_graph):
-            step(j % n_variants)
-    times = event_times_us(graph.replay, iters=replays, warmup=warmup)
-    del graph
-    return statistics.median(times) / calls_per_graph
+    return POOL
+
+
+def time_step(step, n_variants: int = 1, calls_per_graph: int = 10, replays: int = 20) -> float:
+    """harness.time_graph, captured into a pool this script knows (the bodies' pool beside it)."""
+    return time_graph(step, n_variants=n_variants, calls_per_graph=calls_per_graph, replays=replays,
+                      pool=fresh_pools())
 
 
 def overhead(n: int) -> dict[str, float]:
@@ -302,12 +297,10 @@ def shape_case(prefix: str, num_tokens: int, small: int, rounds: int) -> dict:
     for n in (1, num_tokens):
         for make in (plain, conditional):
             out.fill_(float("nan"))
-            global POOL, BODY_POOL
             graph = torch.cuda.CUDAGraph()
             make(nvs[n])(0)  # warm-up (both bodies eagerly for the conditional step)
             torch.cuda.synchronize()
-            POOL, BODY_POOL = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=POOL):
+            with torch.cuda.graph(graph, pool=fresh_pools()):
                 make(nvs[n])(0)
             out.fill_(float("nan"))
             graph.replay()

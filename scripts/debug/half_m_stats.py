@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from ab_entry import shape_named, stand_ins
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from heuristic_eval import _gemm_kernels  # the GEMM kernels in this process's Triton caches
+
 from safemoe._checks import check_num_valid
 from safemoe.bench.harness import event_times_us
 from safemoe.configs import load_device_configs, shape_key
-from safemoe.kernels.experts import _gemm1_kernel, _gemm2_kernel, experts_triton
+from safemoe.kernels.experts import experts_triton
 from safemoe.workspace import Workspace
-
-
-def kernels() -> dict[str, object]:
-    found = {}
-    for fn in (_gemm1_kernel, _gemm2_kernel):
-        for device, cache in getattr(fn, "device_caches", {}).items():
-            table = cache[0] if isinstance(cache, tuple) else cache
-            for key, kernel in table.items():
-                found[f"{fn.__name__}:{device}:{key}"] = kernel
-    return found
 
 
 def main() -> None:
@@ -47,7 +42,7 @@ def main() -> None:
         nv = check_num_valid(None, tokens, device)
         for half in (False, True):
             c = replace(cfg, gemm1=replace(cfg.gemm1, half_m=half), gemm2=replace(cfg.gemm2, half_m=half))
-            before = set(kernels())
+            before = set(_gemm_kernels())
 
             call = functools.partial(experts_triton, xs[0], w13, w2, weights, ids, activation=activation,
                                      num_valid=nv, health=None, workspace=ws, config=c)
@@ -60,7 +55,7 @@ def main() -> None:
                     call()
             us = statistics.median(event_times_us(graph.replay, iters=20, warmup=3)) / 5
             stats = []
-            for key, k in kernels().items():
+            for key, k in _gemm_kernels().items():
                 if key in before:
                     continue
                 try:

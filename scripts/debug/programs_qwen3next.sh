@@ -9,14 +9,7 @@
 #   OUT=/tmp/x bash scripts/debug/programs_qwen3next.sh
 source "$(dirname "$0")/tune_write.sh"
 tune_write 150 8 --programs-only --shapes qwen3next --tokens 64,256
-changed=$(python - "$OUT/table_before.json" "$OUT/table_after.json" <<'PY'
-import json, sys
-key = "E512_H2048_I512_K10_bfloat16"
-before, after = (json.load(open(p))["configs"][key] for p in sys.argv[1:])
-print(" ".join(b for b in after if b.isdigit()
-               and after[b].get("programs_per_sm") != before.get(b, {}).get("programs_per_sm")))
-PY
-)
+changed=$(changed_buckets E512_H2048_I512_K10_bfloat16)
 echo "programs_per_sm changed at T = ${changed:-none}"
 for bucket in $changed; do
   layer_ab qwen3next "$bucket" "$OUT/table_before.json" "$bucket/5" "$bucket:1/3"

@@ -3,7 +3,7 @@
 # `tune_write TIMEOUT_S TAIL_LINES ARGS...`, which keeps the table as it was under
 # $OUT/table_before.json, runs `tune_experts.py --out $OUT/tune --write ARGS...` into
 # $OUT/tune.log, prints its rc and last lines, and keeps the written table as
-# $OUT/table_after.json.
+# $OUT/table_after.json; `changed_buckets KEY` then names the entries it changed.
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:?set OUT}
@@ -17,6 +17,18 @@ tune_write() {
   echo "tune rc=$?"
   grep -v "^\s*$" "$OUT/tune.log" | cut -c1-700 | tail -"$lines"
   cp "$table" "$OUT/table_after.json"
+}
+
+# `changed_buckets KEY`: the buckets of shape key KEY whose config (ExpertsConfig: tiles and flags,
+# not timings) differs between $OUT/table_before.json and $OUT/table_after.json, space-separated.
+changed_buckets() {
+  python - "$OUT/table_before.json" "$OUT/table_after.json" "$1" <<'PY'
+import json, sys
+from safemoe.configs import ExpertsConfig
+before, after = (json.load(open(p))["configs"][sys.argv[3]] for p in sys.argv[1:3])
+print(" ".join(b for b in after if b.isdigit() and (
+    b not in before or ExpertsConfig.from_json(after[b]) != ExpertsConfig.from_json(before[b]))))
+PY
 }
 
 # `layer_ab SHAPE BUCKET OTHER_TABLE STEP/ROUNDS...`: each step (T or T:NUM_VALID) of the whole

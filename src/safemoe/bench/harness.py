@@ -306,6 +306,7 @@ def time_graph(
     calls_per_graph: int = 20,
     replays: int = 30,
     warmup: int = 3,
+    pool: tuple[int, int] | None = None,
 ) -> float:
     """Median microseconds per call of `step`, timed under CUDA-graph replay.
 
@@ -313,7 +314,8 @@ def time_graph(
     `warmup` times untimed then `replays` times each bracketed by CUDA events, and returns the
     median replay time / calls_per_graph. The step is first run eagerly on a side stream (lazy
     initialisation, cuBLAS workspaces, Triton compilation must happen outside the capture).
-    Raises GraphCaptureError when the step cannot be captured.
+    Raises GraphCaptureError when the step cannot be captured. pool: the graph's memory pool
+    (`torch.cuda.graph_pool_handle()`), for a step that must know it; None: a pool of its own.
     """
     _require_cuda("time_graph")
     if n_variants < 1 or calls_per_graph < 1 or replays < 1:
@@ -322,7 +324,7 @@ def time_graph(
 
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             for j in range(calls_per_graph):
                 step(j % n_variants)
     except Exception as exc:
