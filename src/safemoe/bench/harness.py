@@ -306,7 +306,7 @@ def time_graph(
     calls_per_graph: int = 20,
     replays: int = 30,
     warmup: int = 3,
-    pool: tuple[int, int] | None = None,
+    pool: Any = None,  # torch.cuda.graph_pool_handle() (Any: callers splat dict[str, int] options)
 ) -> float:
     """Median microseconds per call of `step`, timed under CUDA-graph replay.
 
